@@ -1,0 +1,51 @@
+"""Errors raised by the encoder package.
+
+ModelError
+ ├── ConfigError          config.json, pooling or module files are bad or unsupported
+ ├── CheckpointError      weights missing, corrupt, mis-shaped or of the wrong sha256
+ ├── ModelNotFoundError   a model id that is neither a folder nor an installed model
+ └── InputError           an input the encoder cannot take
+      ├── TokenIdError        a pre-tokenized id outside the vocabulary
+      └── InputTooLongError   more tokens than the model takes, with truncation off
+"""
+
+
+class ModelError(Exception):
+    """Base class of every error this package raises."""
+
+
+class ConfigError(ModelError):
+    """A configuration file is missing a key, has a bad value, or names something unsupported."""
+
+
+class CheckpointError(ModelError):
+    """The weights file is missing, corrupt, or does not fit the architecture."""
+
+
+class ModelNotFoundError(ModelError):
+    """The model id names no local folder and no installed model."""
+
+
+class InputError(ModelError):
+    """An input cannot be encoded."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+class TokenIdError(InputError):
+    """A pre-tokenized input holds an id outside the vocabulary."""
+
+
+class InputTooLongError(InputError):
+    """An input has more tokens than the model takes and truncation is off."""
+
+    def __init__(self, index: int, length: int, limit: int) -> None:
+        super().__init__(
+            f"input {index} has {length} tokens, more than the model's limit of {limit}; "
+            "shorten it or turn truncation on",
+            index,
+        )
+        self.length = length
+        self.limit = limit

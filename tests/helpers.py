@@ -1,0 +1,108 @@
+"""Tiny checkpoints written to temporary folders, so tests need no model hub."""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from model.config import EncoderConfig
+from model.layers import TransformerEncoder
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDS = ["hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "é"]
+TINY_VOCAB = (
+    SPECIALS
+    + list(string.ascii_lowercase)
+    + ["##" + c for c in string.ascii_lowercase]
+    + list(string.digits)
+    + list(".,!?'")
+    + WORDS
+)
+TINY_CONFIG: dict[str, Any] = {
+    "model_type": "bert",
+    "vocab_size": len(TINY_VOCAB),
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 48,
+    "max_position_embeddings": 64,
+    "hidden_act": "gelu",
+    "layer_norm_eps": 1e-12,
+    "type_vocab_size": 2,
+    "pad_token_id": 0,
+}
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """A BERT-style WordPiece tokenizer over TINY_VOCAB."""
+    vocab = {token: index for index, token in enumerate(TINY_VOCAB)}
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+    )
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.add_special_tokens(SPECIALS)
+    return tokenizer
+
+
+def write_sentence_transformers_files(
+    folder: Path, *, pooling: str = "mean", normalize: bool = True, max_seq_length: int = 48
+) -> None:
+    """modules.json, 1_Pooling/config.json, sentence_bert_config.json and tokenizer.json."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
+    if normalize:
+        modules.append(
+            {
+                "idx": 2,
+                "name": "2",
+                "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize",
+            }
+        )
+    (folder / "modules.json").write_text(json.dumps(modules))
+    flags = {
+        "mean": "pooling_mode_mean_tokens",
+        "cls": "pooling_mode_cls_token",
+        "max": "pooling_mode_max_tokens",
+        "last_token": "pooling_mode_lasttoken",
+    }
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 32, flags[pooling]: True})
+    )
+    (folder / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": max_seq_length})
+    )
+    tiny_tokenizer().save(str(folder / "tokenizer.json"))
+
+
+def make_random_checkpoint(
+    folder: Path, seed: int = 0, **config_overrides: Any
+) -> dict[str, torch.Tensor]:
+    """A BERT-layout checkpoint with random weights (LayerNorms included) in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = {**TINY_CONFIG, **config_overrides}
+    torch.manual_seed(seed)
+    network = TransformerEncoder(EncoderConfig.from_hf(raw))
+    state = {key: torch.randn_like(value) * 0.5 for key, value in network.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(raw))
+    write_sentence_transformers_files(folder)
+    return state

@@ -1,0 +1,63 @@
+"""An input alone equals the same input inside a padded batch of mixed lengths."""
+
+from __future__ import annotations
+
+import torch
+
+from model import Embedder
+
+TOLERANCE = 1e-5
+TEXTS = [
+    "hello",
+    "the quick brown fox jumps over the lazy dog, the quick brown fox jumps again",
+    "",
+    "hello world é",
+    "a b c d e f g h i j k l m n o p",
+]
+
+
+def check_invariance(embedder: Embedder, texts: list[str]) -> None:
+    encoded = embedder.tokenize(texts)
+    ids = [e.ids for e in encoded]
+    layers = list(range(embedder.info.num_layers))
+    batch = embedder.forward(ids, token_embeddings=True, attention_layers=layers)
+    assert batch.token_embeddings is not None and batch.attentions is not None
+    for row, sequence in enumerate(ids):
+        alone = embedder.forward([sequence], token_embeddings=True, attention_layers=layers)
+        assert alone.token_embeddings is not None and alone.attentions is not None
+        assert (alone.pooled[0] - batch.pooled[row]).abs().max() <= TOLERANCE
+        assert batch.token_embeddings[row].shape == (len(sequence), embedder.info.dimensions)
+        assert (alone.token_embeddings[0] - batch.token_embeddings[row]).abs().max() <= TOLERANCE
+        for layer in layers:
+            difference = alone.attentions[0][layer] - batch.attentions[row][layer]
+            assert difference.abs().max() <= TOLERANCE
+    # The fast (SDPA) path, used when no maps are asked for, is batch-invariant too.
+    fast = embedder.forward(ids)
+    for row, sequence in enumerate(ids):
+        assert (embedder.forward([sequence]).pooled[0] - fast.pooled[row]).abs().max() <= TOLERANCE
+
+
+def test_tiny_model_batch_invariance(tiny_embedder: Embedder) -> None:
+    check_invariance(tiny_embedder, TEXTS)
+
+
+def test_real_model_batch_invariance(minilm: Embedder) -> None:
+    check_invariance(minilm, [*TEXTS, "Größe 東京 🚀 " * 30])
+
+
+def test_fully_padded_row_gives_no_nan(tiny_embedder: Embedder) -> None:
+    out = tiny_embedder.forward([[], [2, 40, 3]], token_embeddings=True, attention_layers=[0, 1])
+    assert out.token_embeddings is not None and out.attentions is not None
+    assert torch.isfinite(out.pooled).all()
+    assert out.pooled[0].abs().max() == 0
+    assert out.token_embeddings[0].shape == (0, tiny_embedder.info.dimensions)
+    for maps in out.attentions:
+        for probs in maps.values():
+            assert torch.isfinite(probs).all()
+    # Padded keys get exactly zero probability and each real row still sums to one.
+    ids = torch.tensor([[2, 40, 3], [2, 3, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with torch.inference_mode():
+        _, maps = tiny_embedder.network(ids, mask, {1})
+    assert (maps[1][1, :, :, 2] == 0).all()
+    assert torch.allclose(maps[1][1, :, :2].sum(-1), torch.ones(4, 2), atol=1e-6)

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import pytest
+
+from model import Embedder, InputTooLongError, TokenIdError
+from tests.helpers import TINY_VOCAB
+
+LONG = " ".join(["hello world"] * 40)  # 80 words, over the tiny model's 48 tokens
+
+
+def test_offsets_tokens_and_special_flags(tiny_embedder: Embedder) -> None:
+    [encoded] = tiny_embedder.tokenize(["Hello, world"])
+    assert encoded.tokens == ["[CLS]", "hello", ",", "world", "[SEP]"]
+    assert encoded.offsets == [(0, 0), (0, 5), (5, 6), (7, 12), (0, 0)]
+    assert encoded.special == [True, False, False, False, True]
+    assert not encoded.truncated
+
+
+def test_truncation_right_and_left(tiny_embedder: Embedder) -> None:
+    limit = tiny_embedder.info.max_input_tokens
+    [right] = tiny_embedder.tokenize([LONG + " fox"], direction="right")
+    [left] = tiny_embedder.tokenize(["fox " + LONG], direction="left")
+    assert len(right.ids) == len(left.ids) == limit
+    assert right.truncated and left.truncated
+    assert right.tokens[-1] == left.tokens[-1] == "[SEP]"
+    assert "fox" not in right.tokens and "fox" not in left.tokens
+    [kept] = tiny_embedder.tokenize([LONG + " fox"], direction="left")
+    assert kept.tokens[-2] == "fox"
+
+
+def test_too_long_without_truncation_names_the_limit(tiny_embedder: Embedder) -> None:
+    with pytest.raises(InputTooLongError) as caught:
+        tiny_embedder.tokenize(["short", LONG], truncate=False)
+    assert caught.value.index == 1
+    assert caught.value.limit == tiny_embedder.info.max_input_tokens
+    assert caught.value.length == 82
+    assert "82 tokens" in str(caught.value)
+
+
+def test_pre_tokenized_ids_are_validated_and_truncated(tiny_embedder: Embedder) -> None:
+    ids = [2, TINY_VOCAB.index("fox"), 3]
+    text, pre = tiny_embedder.tokenize(["fox", ids])
+    assert pre.ids == text.ids == ids
+    assert pre.tokens == ["[CLS]", "fox", "[SEP]"]
+    assert pre.special == [True, False, True]
+    assert pre.offsets is None
+    with pytest.raises(TokenIdError, match="outside the vocabulary"):
+        tiny_embedder.tokenize([[2, len(TINY_VOCAB), 3]])
+    with pytest.raises(TokenIdError):
+        tiny_embedder.tokenize([[2, -1]])
+    long_ids = list(range(5, 65))
+    [cut] = tiny_embedder.tokenize([long_ids], direction="left")
+    assert cut.truncated and cut.ids == long_ids[-tiny_embedder.info.max_input_tokens :]
+    with pytest.raises(InputTooLongError):
+        tiny_embedder.tokenize([long_ids], truncate=False)
+
+
+def test_real_tokenizer_ignores_its_training_padding(minilm: Embedder) -> None:
+    """all-MiniLM's tokenizer.json pads to 128 and truncates at 128; neither may leak through."""
+    short, long = minilm.tokenize(["hi", "word " * 300])
+    assert len(short.ids) == 3
+    assert len(long.ids) == minilm.info.max_input_tokens == 256
