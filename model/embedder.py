@@ -125,10 +125,17 @@ class Embedder:
         device: str = "auto",
         dtype: str = "auto",
         allow_download: bool = False,
+        max_input_tokens: int | None = None,
     ) -> Embedder:
         folder = resolve_model_dir(model_id, allow_download=allow_download)
         target = resolve_device(device)
-        return cls.from_folder(folder, target, resolve_dtype(dtype, target), model_id=model_id)
+        return cls.from_folder(
+            folder,
+            target,
+            resolve_dtype(dtype, target),
+            model_id=model_id,
+            max_input_tokens=max_input_tokens,
+        )
 
     @classmethod
     def from_folder(
@@ -138,7 +145,9 @@ class Embedder:
         dtype: torch.dtype,
         *,
         model_id: str | None = None,
+        max_input_tokens: int | None = None,
     ) -> Embedder:
+        """`max_input_tokens` can only lower the model's own limit."""
         raw_config: Any = read_json(folder / "config.json")
         if not isinstance(raw_config, dict):
             raise ConfigError(f"{folder / 'config.json'}: expected a JSON object")
@@ -149,7 +158,8 @@ class Embedder:
         weights = load_weights(folder, expected)
         network.load_state_dict(weights.tensors, strict=True)
         network.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        max_tokens = min(layout.max_seq_length or config.max_positions, config.max_positions)
+        limits = [layout.max_seq_length or config.max_positions, config.max_positions]
+        max_tokens = min(limits + ([max_input_tokens] if max_input_tokens else []))
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ConfigError(f"{tokenizer_file}: file not found")

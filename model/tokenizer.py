@@ -60,12 +60,14 @@ class TextTokenizer:
         *,
         truncate: bool = True,
         direction: Direction = "right",
+        add_special_tokens: bool = True,
     ) -> list[Encoded]:
         """Texts go through the tokenizer in one batch call; id lists are checked and cut."""
         texts = [(i, item) for i, item in enumerate(inputs) if isinstance(item, str)]
         results: list[Encoded | None] = [None] * len(inputs)
         tokenizer = self._truncating[direction] if truncate else self._untruncated
-        encodings = tokenizer.encode_batch([text for _, text in texts]) if texts else []
+        batch = [text for _, text in texts]
+        encodings = tokenizer.encode_batch(batch, add_special_tokens=add_special_tokens) if texts else []
         for (index, _), encoding in zip(texts, encodings, strict=True):
             results[index] = self._from_encoding(index, encoding)
         for index, item in enumerate(inputs):

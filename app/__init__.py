@@ -1,0 +1,1 @@
+"""The HTTP service around the encoder in `model/`."""

@@ -1,0 +1,112 @@
+"""`python -m app` / `embedding-server`: settings from flags and EMBED_* variables, then uvicorn.
+
+SIGTERM (or Ctrl-C) drains: /health turns 503 and new inference gets 503 at once, accepted
+requests finish (up to --shutdown-grace seconds), then the server exits. A second signal
+exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from types import FrameType
+
+import uvicorn
+from pydantic import ValidationError
+from pydantic_settings import CliApp
+
+from app.logs import configure_logging
+from app.main import create_app
+from app.service import EmbeddingService
+from app.settings import Settings
+from model import ModelError
+from model.embedder import resolve_device
+from model.resolve import resolve_model_dir
+
+log = logging.getLogger("app")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain step between the first signal and the shutdown."""
+
+    def __init__(self, config: uvicorn.Config, service: EmbeddingService, grace: float) -> None:
+        super().__init__(config)
+        self.service = service
+        self.grace = grace
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)  # type: ignore[arg-type]
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.service.draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self.service.begin_drain()
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        if not await self.service.wait_idle(self.grace):
+            log.warning(
+                "grace period of %s s over with %d requests in flight",
+                self.grace,
+                self.service.inflight,
+            )
+        self.should_exit = True
+
+    def fail(self, reason: str) -> None:
+        """The model could not load: stop serving and exit non-zero."""
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def load_settings(argv: list[str] | None) -> Settings:
+    try:
+        return CliApp.run(Settings, cli_args=argv if argv is not None else sys.argv[1:])
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors()
+        )
+        sys.exit(f"embedding-server: invalid setting: {problems}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = load_settings(argv)
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        # Fail before binding the port when the model id or the device cannot work.
+        resolve_model_dir(settings.model_id, allow_download=settings.allow_download)
+        resolve_device(settings.device)
+    except ModelError as exc:
+        sys.exit(f"embedding-server: {exc}")
+    server: DrainingServer | None = None
+
+    def on_fatal(reason: str) -> None:
+        if server is not None:
+            server.fail(reason)
+
+    app = create_app(settings, on_fatal=on_fatal)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_grace)),
+    )
+    server = DrainingServer(config, app.state.service, settings.shutdown_grace)
+    server.run()
+    sys.exit(server.exit_code)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL) if hasattr(signal, "SIGPIPE") else None
+    main()

@@ -1,0 +1,87 @@
+"""The service's errors and the one table from error to HTTP status.
+
+    ServiceError
+     ├── EmptyInputError        400  no input, or an empty string
+     ├── MalformedRequestError  400  body is not valid JSON / UTF-8
+     ├── UnauthorizedError      401  missing or wrong API key
+     ├── PayloadTooLargeError   413  body over the payload limit, or too many inputs
+     ├── UnsupportedMediaError  415  body is not application/json
+     ├── ValidationFailedError  422  a field is invalid (too long, bad dimensions, ...)
+     ├── OverloadedError        429  the queue is full (with Retry-After)
+     ├── BackendError           500  the forward pass failed for this batch
+     └── UnavailableError       503  not ready, draining, or timed out waiting in the queue
+Anything else is a 500 with a request id; its traceback goes to the log only.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base of errors that map to an HTTP status; the message is safe to show to clients."""
+
+    status = 500
+    error_type = "Internal"
+    openai_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class EmptyInputError(ServiceError):
+    """The request has no input, or an empty one."""
+
+    status, error_type, openai_type = 400, "Empty", "invalid_request_error"
+
+
+class MalformedRequestError(ServiceError):
+    """The body cannot be parsed."""
+
+    status, error_type, openai_type = 400, "Malformed", "invalid_request_error"
+
+
+class UnauthorizedError(ServiceError):
+    """The API key is missing or wrong."""
+
+    status, error_type, openai_type = 401, "Unauthorized", "authentication_error"
+
+
+class PayloadTooLargeError(ServiceError):
+    """The body or the number of inputs is over its limit."""
+
+    status, error_type, openai_type = 413, "PayloadTooLarge", "invalid_request_error"
+
+
+class UnsupportedMediaError(ServiceError):
+    """The body is not JSON."""
+
+    status, error_type, openai_type = 415, "UnsupportedMediaType", "invalid_request_error"
+
+
+class ValidationFailedError(ServiceError):
+    """A field is invalid."""
+
+    status, error_type, openai_type = 422, "Validation", "invalid_request_error"
+
+
+class OverloadedError(ServiceError):
+    """The queue is full; the client should retry later."""
+
+    status, error_type, openai_type = 429, "Overloaded", "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class BackendError(ServiceError):
+    """The forward pass failed for the batch this request was in."""
+
+    status, error_type, openai_type = 500, "Backend", "server_error"
+
+
+class UnavailableError(ServiceError):
+    """The service is not ready, is draining, or could not answer in time."""
+
+    status, error_type, openai_type = 503, "Unhealthy", "server_error"

@@ -1,0 +1,70 @@
+"""The app factory: settings in, an app out; the lifespan loads the model in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from app.handlers import install_handlers
+from app.metrics import Metrics
+from app.middleware import ServiceMiddleware
+from app.responses import JSONResponse
+from app.routes import encode, openai, ops, tei
+from app.service import EmbeddingService
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """`on_fatal` is told when the model cannot load, so the process can exit non-zero."""
+    metrics = Metrics()
+    service = EmbeddingService(settings, metrics)
+
+    async def start() -> None:
+        try:
+            await service.start()
+        except Exception as exc:
+            log.error("start-up failed: %s", service.load_error, exc_info=exc)
+            if on_fatal is not None:
+                on_fatal(service.load_error or str(exc))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Loading runs in the background so that /live answers and /health says 503 meanwhile.
+        loading = asyncio.create_task(start())
+        try:
+            yield
+        finally:
+            loading.cancel()
+            await service.stop()
+
+    app = FastAPI(
+        title="embedding-server",
+        summary="Embeddings from a from-scratch BERT-family encoder, dynamically batched.",
+        lifespan=lifespan,
+        default_response_class=JSONResponse,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.service = service
+    for module in (tei, openai, encode, ops):
+        app.include_router(module.router)
+    install_handlers(app)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
+    routes = {getattr(route, "path", "") for route in app.routes}
+    app.add_middleware(
+        ServiceMiddleware, metrics=metrics, payload_limit=settings.payload_limit, routes=routes
+    )
+    return app

@@ -1,0 +1,78 @@
+"""Prometheus metrics, prefix `embed_`, explicit buckets, one registry per app."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+DURATION_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class Metrics:
+    """All of the service's metrics; a fresh registry keeps test apps apart."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "embed_requests", "HTTP requests by route and status.", ["route", "status"], registry=r
+        )
+        self.failures = Counter(
+            "embed_failures", "Failed requests by reason (error type).", ["reason"], registry=r
+        )
+        self.inputs = Counter("embed_inputs", "Inputs embedded.", registry=r)
+        self.tokens = Counter("embed_tokens", "Tokens embedded (padding excluded).", registry=r)
+        self.queue_depth = Gauge("embed_queue_depth", "Inputs waiting for the model.", registry=r)
+        self.batch_size = Histogram(
+            "embed_batch_size", "Inputs per forward pass.", buckets=BATCH_SIZE_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "embed_batch_tokens",
+            "Padded tokens (longest x count) per forward pass.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.padding_ratio = Histogram(
+            "embed_padding_ratio",
+            "Share of a batch's padded tokens that are padding.",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.tokenization_seconds = self._duration("tokenization", "Tokenizing one request.")
+        self.queue_seconds = self._duration("queue", "An input's wait before its forward pass.")
+        self.inference_seconds = self._duration("inference", "One forward pass.")
+        self.request_seconds = self._duration("request", "One HTTP request, end to end.")
+        self.input_tokens = Histogram(
+            "embed_input_tokens", "Tokens per input.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.model_info = Gauge(
+            "embed_model_info",
+            "The served model (value 1).",
+            ["model", "dtype", "device"],
+            registry=r,
+        )
+
+    def _duration(self, name: str, documentation: str) -> Histogram:
+        return Histogram(
+            f"embed_{name}_duration_seconds",
+            documentation,
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )

@@ -1,0 +1,92 @@
+"""Pure ASGI middleware (cheaper than BaseHTTPMiddleware): request id, body limit, metrics."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Container
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import PayloadTooLargeError
+from app.handlers import error_body
+from app.metrics import Metrics
+from app.responses import JSONResponse
+
+
+class BodyTooLargeError(Exception):
+    """The body is over the payload limit."""
+
+
+class ServiceMiddleware:
+    def __init__(
+        self, app: ASGIApp, *, metrics: Metrics, payload_limit: int, routes: Container[str]
+    ) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.payload_limit = payload_limit
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        headers = dict(scope["headers"])
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        path: str = scope["path"]
+        route = path if path in self.routes else "other"
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (b"x-request-id", request_id.encode("latin-1")),
+                ]
+            await send(message)
+
+        try:
+            declared = headers.get(b"content-length")
+            if declared is not None and int(declared or 0) > self.payload_limit:
+                raise BodyTooLargeError
+            if declared is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                receive = await self._buffered(receive)
+            await self.app(scope, receive, send_with_id)
+        except BodyTooLargeError:
+            error = PayloadTooLargeError(
+                f"the body is over the payload limit of {self.payload_limit} bytes"
+            )
+            self.metrics.failures.labels(error.error_type).inc()
+            response = JSONResponse(error_body(path, error), error.status)
+            await response(scope, receive, send_with_id)
+        finally:
+            self.metrics.requests.labels(route, str(status)).inc()
+            if route != "other":
+                self.metrics.request_seconds.observe(time.perf_counter() - started)
+
+    async def _buffered(self, receive: Receive) -> Receive:
+        """Read a chunked body up to the limit, then hand it on as one message."""
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            if len(body) > self.payload_limit:
+                raise BodyTooLargeError
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # later calls wait for the disconnect, as usual
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        return replay

@@ -1,0 +1,45 @@
+"""JSON rendering straight from numpy arrays (no Python float per value) and base64 arrays."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import numpy as np
+import orjson
+from starlette.responses import Response
+
+from app.batcher import FloatArray
+from app.service import EncodeResult
+
+Encoding = Literal["float", "base64"]
+
+
+class JSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def base64_floats(array: FloatArray) -> str:
+    return base64.b64encode(array.astype("<f4", copy=False).tobytes()).decode("ascii")
+
+
+def array_payload(array: FloatArray, encoding: Encoding) -> Any:
+    """A C-contiguous float32 array for orjson, or {dtype, shape, data} in base64."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if encoding == "float":
+        return array
+    return {"dtype": "float32", "shape": list(array.shape), "data": base64_floats(array)}
+
+
+def timing_headers(result: EncodeResult) -> dict[str, str]:
+    """Per-request figures in the headers text-embeddings-inference uses (milliseconds)."""
+    timings = result.timings
+    return {
+        "x-compute-tokens": str(result.token_count),
+        "x-tokenization-time": f"{timings.tokenization * 1000:.2f}",
+        "x-queue-time": f"{timings.queue * 1000:.2f}",
+        "x-inference-time": f"{timings.inference * 1000:.2f}",
+    }

@@ -1,0 +1,91 @@
+"""Operations: /info, /health (readiness), /live (liveness), /metrics."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import APIRouter, Depends, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from app.dependencies import ServiceDep, require_api_key
+from app.errors import UnavailableError
+from app.metrics import Metrics
+from app.responses import JSONResponse
+from app.routes.errors import error_responses
+from app.schemas import ErrorResponse, InfoResponse, StatusResponse
+
+router = APIRouter(tags=["operations"])
+
+
+def package_version() -> str:
+    try:
+        return version("embedding-server")
+    except PackageNotFoundError:
+        return "0.0.0+local"
+
+
+@router.get(
+    "/info",
+    response_model=InfoResponse,
+    dependencies=[Depends(require_api_key)],
+    responses=error_responses(),
+)
+async def info(service: ServiceDep) -> JSONResponse:
+    model = service.info
+    settings = service.settings
+    return JSONResponse(
+        {
+            "model_id": model.model_id,
+            "model_type": model.model_type,
+            "dimensions": model.dimensions,
+            "max_input_tokens": model.max_input_tokens,
+            "pooling": str(model.pooling),
+            "normalize": model.normalize,
+            "dtype": model.dtype,
+            "device": model.device,
+            "num_layers": model.num_layers,
+            "num_heads": model.num_heads,
+            "prompts": dict(model.prompts),
+            "auto_truncate": settings.auto_truncate,
+            "limits": {
+                "max_batch_tokens": settings.max_batch_tokens,
+                "max_batch_inputs": settings.max_batch_inputs,
+                "max_inputs_per_request": settings.max_inputs_per_request,
+                "max_queued_inputs": settings.max_queued_inputs,
+                "max_attention_values": settings.max_attention_values,
+                "payload_limit": settings.payload_limit,
+                "request_timeout": settings.request_timeout,
+            },
+            "version": package_version(),
+        }
+    )
+
+
+@router.get(
+    "/health",
+    response_model=StatusResponse,
+    responses={503: {"model": ErrorResponse, "description": "Not ready to serve"}},
+    summary="Readiness: model loaded and warmed up, worker alive, not draining",
+)
+async def health(service: ServiceDep) -> JSONResponse:
+    if not service.ready:
+        raise UnavailableError(service.not_ready_reason())
+    return JSONResponse({"status": "ok"})
+
+
+@router.get(
+    "/live",
+    response_model=StatusResponse,
+    summary="Liveness: the process and its event loop answer (never touches the model)",
+)
+async def live() -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def metrics(request: Request, service: ServiceDep) -> Response:
+    registry: Metrics = request.app.state.metrics
+    if service.batcher is not None:
+        registry.queue_depth.set(service.batcher.depth)
+    return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,86 @@
+"""Every setting in one place: env vars with prefix EMBED_, or the same names as CLI flags."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from model import DEFAULT_MODEL_ID
+
+
+class Settings(BaseSettings):
+    """Built once at start-up and passed to the app factory; never read at import time."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="EMBED_",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_prog_name="embedding-server",
+        extra="forbid",
+    )
+
+    model_id: str = Field(
+        DEFAULT_MODEL_ID,
+        description="A local checkpoint folder, or the id of an installed model package.",
+    )
+    allow_download: bool = Field(
+        False, description="Fetch unknown model ids with huggingface_hub (needs a network)."
+    )
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N."
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="auto: float16 on CUDA, float32 on the CPU."
+    )
+    host: str = Field("0.0.0.0", description="Address to listen on.")
+    port: int = Field(8080, ge=1, le=65535, description="Port to listen on.")
+    threads: int | None = Field(
+        None, ge=1, le=256, description="Torch intra-op threads; default: the machine's cores."
+    )
+    max_batch_tokens: int = Field(
+        16384, ge=1, description="Padded tokens (longest x count) one forward pass may hold."
+    )
+    max_batch_inputs: int = Field(64, ge=1, description="Inputs one forward pass may hold.")
+    max_inputs_per_request: int = Field(
+        256, ge=1, description="Inputs one request may carry (more: 413)."
+    )
+    max_queued_inputs: int = Field(
+        4096, ge=1, description="Inputs waiting for the model before new requests get 429."
+    )
+    max_input_tokens: int | None = Field(
+        None, ge=1, description="Tokens per input; default and ceiling: the model's own limit."
+    )
+    auto_truncate: bool = Field(
+        True, description="Truncate long inputs when a request does not say (else 422)."
+    )
+    request_timeout: float = Field(
+        30.0, gt=0, description="Seconds a request may wait for its results before 503."
+    )
+    payload_limit: int = Field(2_000_000, ge=1024, description="Largest request body in bytes.")
+    api_key: SecretStr | None = Field(
+        None, description="If set, inference and /info need 'Authorization: Bearer <key>'."
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list, description="Origins allowed by CORS (none: CORS off)."
+    )
+    max_attention_values: int = Field(
+        4_000_000,
+        ge=1,
+        description="Most attention-map values (layers x heads x T x T) one request may ask for.",
+    )
+    shutdown_grace: float = Field(
+        30.0, ge=0, description="Seconds accepted requests get to finish after SIGTERM."
+    )
+    log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info")
+    access_log: bool = Field(False, description="Log every request (costs throughput).")
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: object) -> object:
+        # Allow EMBED_CORS_ORIGINS=https://a,https://b as well as a JSON list.
+        if isinstance(value, str) and not value.startswith("["):
+            return [origin.strip() for origin in value.split(",") if origin.strip()]
+        return value
