@@ -44,7 +44,7 @@ def error_response(request: Request, error: ServiceError) -> JSONResponse:
     headers = (
         {"Retry-After": str(error.retry_after)} if isinstance(error, OverloadedError) else None
     )
-    request_id = request.scope.get("state", {}).get("request_id") if error.status >= 500 else None
+    request_id = request.scope.get("state", {}).get("request_id") if error.status == 500 else None
     return JSONResponse(error_body(request.url.path, error, request_id), error.status, headers)
 
 
@@ -81,14 +81,7 @@ async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(request, error)
 
 
-async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    request_id = request.scope.get("state", {}).get("request_id", "-")
-    log.error("unexpected error, request id %s", request_id, exc_info=exc)
-    return error_response(request, ServiceError("internal error"))
-
-
 def install_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ServiceError, on_service_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_unexpected_error)

@@ -53,8 +53,10 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.service = service
+    routes: set[str] = set()
     for module in (tei, openai, encode, ops):
         app.include_router(module.router)
+        routes.update(getattr(route, "path", "") for route in module.router.routes)
     install_handlers(app)
     if settings.cors_origins:
         app.add_middleware(
@@ -63,7 +65,6 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
             allow_methods=["GET", "POST"],
             allow_headers=["*"],
         )
-    routes = {getattr(route, "path", "") for route in app.routes}
     app.add_middleware(
         ServiceMiddleware, metrics=metrics, payload_limit=settings.payload_limit, routes=routes
     )

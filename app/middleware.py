@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Container
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import PayloadTooLargeError
+from app.errors import PayloadTooLargeError, ServiceError
 from app.handlers import error_body
 from app.metrics import Metrics
 from app.responses import JSONResponse
+
+log = logging.getLogger(__name__)
 
 
 class BodyTooLargeError(Exception):
@@ -38,11 +41,13 @@ class ServiceMiddleware:
         path: str = scope["path"]
         route = path if path in self.routes else "other"
         status = 500
+        started_response = False
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started_response
             if message["type"] == "http.response.start":
                 status = message["status"]
+                started_response = True
                 message["headers"] = [
                     *message.get("headers", []),
                     (b"x-request-id", request_id.encode("latin-1")),
@@ -62,6 +67,16 @@ class ServiceMiddleware:
             )
             self.metrics.failures.labels(error.error_type).inc()
             response = JSONResponse(error_body(path, error), error.status)
+            await response(scope, receive, send_with_id)
+        except Exception:
+            # Starlette's outermost handler would answer without our headers; answer here,
+            # with a generic message and the request id, and keep the traceback in the log.
+            log.exception("unexpected error, request id %s", request_id)
+            if started_response:
+                raise
+            internal = ServiceError("internal error")
+            self.metrics.failures.labels(internal.error_type).inc()
+            response = JSONResponse(error_body(path, internal, request_id), internal.status)
             await response(scope, receive, send_with_id)
         finally:
             self.metrics.requests.labels(route, str(status)).inc()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from model import DEFAULT_MODEL_ID
 
@@ -62,7 +63,7 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description="If set, inference and /info need 'Authorization: Bearer <key>'."
     )
-    cors_origins: list[str] = Field(
+    cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Origins allowed by CORS (none: CORS off)."
     )
     max_attention_values: int = Field(
@@ -81,6 +82,8 @@ class Settings(BaseSettings):
     @classmethod
     def _split_origins(cls, value: object) -> object:
         # Allow EMBED_CORS_ORIGINS=https://a,https://b as well as a JSON list.
-        if isinstance(value, str) and not value.startswith("["):
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                return json.loads(value)
             return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value

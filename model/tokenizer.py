@@ -67,7 +67,9 @@ class TextTokenizer:
         results: list[Encoded | None] = [None] * len(inputs)
         tokenizer = self._truncating[direction] if truncate else self._untruncated
         batch = [text for _, text in texts]
-        encodings = tokenizer.encode_batch(batch, add_special_tokens=add_special_tokens) if texts else []
+        encodings = (
+            tokenizer.encode_batch(batch, add_special_tokens=add_special_tokens) if texts else []
+        )
         for (index, _), encoding in zip(texts, encodings, strict=True):
             results[index] = self._from_encoding(index, encoding)
         for index, item in enumerate(inputs):

@@ -23,7 +23,8 @@ router = APIRouter(
 def pooled_vectors(result: EncodeResult, normalize: bool, dimensions: int | None) -> np.ndarray:
     """(N, D') float32: truncated to `dimensions`, then normalised if asked."""
     stacked = torch.from_numpy(np.stack([item.pooled for item in result.items]))
-    return finalize(stacked, normalize, dimensions).numpy()
+    # orjson serialises only C-contiguous arrays; a cut without normalising is a view.
+    return np.ascontiguousarray(finalize(stacked, normalize, dimensions).numpy())
 
 
 @router.post("/embed", response_model=list[list[float]], summary="Pooled embeddings")
@@ -45,9 +46,8 @@ async def embed_all(
     body: EmbedAllRequest, service: ServiceDep, disconnected: DisconnectDep
 ) -> JSONResponse:
     result = await service.encode(body.inputs_list(), body.options(), disconnected)
-    return JSONResponse(
-        [item.token_embeddings for item in result.items], headers=timing_headers(result)
-    )
+    vectors = [np.ascontiguousarray(item.token_embeddings) for item in result.items]
+    return JSONResponse(vectors, headers=timing_headers(result))
 
 
 @router.post("/tokenize", response_model=list[list[SimpleToken]], summary="Tokens with offsets")

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from app.main import create_app
+from app.service import EmbeddingService
+from app.settings import Settings
+from model import BatchOutput
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def make_settings(checkpoint: Path, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {"model_id": str(checkpoint), "device": "cpu", "threads": 1}
+    return Settings(**(values | overrides))
+
+
+@asynccontextmanager
+async def running_app(settings: Settings) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    """The app with its lifespan running, and a client; yields once /health says ready."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            for _ in range(200):
+                if (await client.get("/health")).status_code == 200:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the app never became ready")
+            yield app, client
+
+
+def service_of(app: FastAPI) -> EmbeddingService:
+    service: EmbeddingService = app.state.service
+    return service
+
+
+class GatedForward:
+    """Wraps the model's forward pass: counts calls, can hold them, can fail some."""
+
+    def __init__(self, service: EmbeddingService) -> None:
+        assert service.embedder is not None
+        self.original = service.embedder.forward
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.batches: list[list[list[int]]] = []
+        self.fail_when: Callable[[Sequence[Sequence[int]]], bool] = lambda batch: False
+        service.embedder.forward = self  # type: ignore[method-assign]
+
+    def __call__(self, batch: Sequence[Sequence[int]], **kwargs: Any) -> BatchOutput:
+        self.batches.append([list(ids) for ids in batch])
+        self.entered.set()
+        self.gate.wait(timeout=30)
+        if self.fail_when(batch):
+            raise RuntimeError("injected failure in the forward pass")
+        return self.original(batch, **kwargs)
+
+
+async def wait_until(condition: Callable[[], bool], within: float = 10.0) -> None:
+    for _ in range(int(within / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")

@@ -1,0 +1,302 @@
+"""Bad input: each case gets its documented status and error shape, and nothing else breaks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.app.conftest import make_settings, running_app
+from tests.helpers import TINY_VOCAB
+
+pytestmark = pytest.mark.anyio
+LIMITS = {"payload_limit": 4096, "max_inputs_per_request": 8, "max_attention_values": 500}
+LONG = " ".join(["hello world"] * 40)
+
+
+async def oversize_chunks() -> AsyncIterator[bytes]:
+    for chunk in (b'{"inputs": "', b"y" * 5000, b'"}'):
+        yield chunk
+
+
+def js(body: Any) -> dict[str, Any]:
+    return {"content": json.dumps(body), "headers": {"content-type": "application/json"}}
+
+
+# (name, method, path, request kwargs, status, error_type)
+CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
+    (
+        "malformed json",
+        "POST",
+        "/embed",
+        {"content": b"{bad", "headers": {"content-type": "application/json"}},
+        400,
+        "Malformed",
+    ),
+    (
+        "non-utf8 body",
+        "POST",
+        "/embed",
+        {"content": b'{"inputs": "\xff\xfe"}', "headers": {"content-type": "application/json"}},
+        400,
+        "Malformed",
+    ),
+    (
+        "wrong content type",
+        "POST",
+        "/embed",
+        {"content": b'{"inputs": "a"}', "headers": {"content-type": "text/plain"}},
+        415,
+        "UnsupportedMediaType",
+    ),
+    ("empty list", "POST", "/embed", js({"inputs": []}), 400, "Empty"),
+    ("empty string", "POST", "/embed", js({"inputs": ""}), 400, "Empty"),
+    ("empty string in a list", "POST", "/embed", js({"inputs": ["a", ""]}), 400, "Empty"),
+    ("empty id list", "POST", "/embed", js({"inputs": [[]]}), 400, "Empty"),
+    ("inputs a number", "POST", "/embed", js({"inputs": 5}), 422, "Validation"),
+    ("inputs null", "POST", "/embed", js({"inputs": None}), 422, "Validation"),
+    ("inputs missing", "POST", "/embed", js({"normalize": True}), 422, "Validation"),
+    ("float ids", "POST", "/embed", js({"inputs": [1.5, 2]}), 422, "Validation"),
+    ("nested too deep", "POST", "/embed", js({"inputs": [[["a"]]]}), 422, "Validation"),
+    ("body is a list", "POST", "/embed", js(["a"]), 422, "Validation"),
+    ("unknown field", "POST", "/embed", js({"inputs": "a", "colour": "red"}), 422, "Validation"),
+    (
+        "normalize a string",
+        "POST",
+        "/embed",
+        js({"inputs": "a", "normalize": "yes"}),
+        422,
+        "Validation",
+    ),
+    (
+        "negative dimensions",
+        "POST",
+        "/embed",
+        js({"inputs": "a", "dimensions": -1}),
+        422,
+        "Validation",
+    ),
+    ("zero dimensions", "POST", "/embed", js({"inputs": "a", "dimensions": 0}), 422, "Validation"),
+    (
+        "huge dimensions",
+        "POST",
+        "/embed",
+        js({"inputs": "a", "dimensions": 10**9}),
+        422,
+        "Validation",
+    ),
+    (
+        "dimensions a string",
+        "POST",
+        "/embed",
+        js({"inputs": "a", "dimensions": "8"}),
+        422,
+        "Validation",
+    ),
+    (
+        "bad truncation direction",
+        "POST",
+        "/embed",
+        js({"inputs": "a", "truncation_direction": "up"}),
+        422,
+        "Validation",
+    ),
+    (
+        "too long, truncate off",
+        "POST",
+        "/embed",
+        js({"inputs": LONG, "truncate": False}),
+        422,
+        "Validation",
+    ),
+    (
+        "id out of range",
+        "POST",
+        "/embed",
+        js({"inputs": [2, len(TINY_VOCAB), 3]}),
+        422,
+        "Validation",
+    ),
+    ("negative id", "POST", "/embed", js({"inputs": [[2, -4, 3]]}), 422, "Validation"),
+    (
+        "unknown prompt_name",
+        "POST",
+        "/embed",
+        js({"inputs": "a", "prompt_name": "query"}),
+        422,
+        "Validation",
+    ),
+    ("too many inputs", "POST", "/embed", js({"inputs": ["a"] * 9}), 413, "PayloadTooLarge"),
+    ("huge string", "POST", "/embed", js({"inputs": "x" * 100_000}), 413, "PayloadTooLarge"),
+    (
+        "oversize chunked body",
+        "POST",
+        "/embed",
+        {"content": oversize_chunks(), "headers": {"content-type": "application/json"}},
+        413,
+        "PayloadTooLarge",
+    ),
+    (
+        "attention over the limit",
+        "POST",
+        "/encode",
+        js({"inputs": LONG, "attention": {}}),
+        422,
+        "Validation",
+    ),
+    (
+        "attention layer out of range",
+        "POST",
+        "/encode",
+        js({"inputs": "a", "attention": {"layers": [7]}}),
+        422,
+        "Validation",
+    ),
+    (
+        "attention head out of range",
+        "POST",
+        "/encode",
+        js({"inputs": "a", "attention": {"heads": [-9]}}),
+        422,
+        "Validation",
+    ),
+    (
+        "attention reduce unknown",
+        "POST",
+        "/encode",
+        js({"inputs": "a", "attention": {"reduce": "max"}}),
+        422,
+        "Validation",
+    ),
+    (
+        "encode encoding unknown",
+        "POST",
+        "/encode",
+        js({"inputs": "a", "encoding": "hex"}),
+        422,
+        "Validation",
+    ),
+    ("tokenize ids", "POST", "/tokenize", js({"inputs": [[1.5]]}), 422, "Validation"),
+    ("get on a post route", "GET", "/embed", {}, 405, "MethodNotAllowed"),
+    ("unknown route", "POST", "/nope", js({}), 404, "NotFound"),
+    ("openai empty input", "POST", "/v1/embeddings", js({"input": [], "model": "m"}), 400, "empty"),
+    (
+        "openai bad encoding",
+        "POST",
+        "/v1/embeddings",
+        js({"input": "a", "encoding_format": "hex"}),
+        422,
+        "validation",
+    ),
+    (
+        "openai bad dimensions",
+        "POST",
+        "/v1/embeddings",
+        js({"input": "a", "dimensions": 0}),
+        422,
+        "validation",
+    ),
+    (
+        "openai malformed",
+        "POST",
+        "/v1/embeddings",
+        {"content": b"[", "headers": {"content-type": "application/json"}},
+        400,
+        "malformed",
+    ),
+    ("openai too many", "POST", "/v1/embeddings", js({"input": ["a"] * 9}), 413, "payloadtoolarge"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "method", "path", "kwargs", "status", "error_type"),
+    CASES,
+    ids=[case[0] for case in CASES],
+)
+async def test_bad_input_gets_its_status_and_shape(
+    tiny_checkpoint: Path,
+    name: str,
+    method: str,
+    path: str,
+    kwargs: dict[str, Any],
+    status: int,
+    error_type: str,
+) -> None:
+    async with running_app(make_settings(tiny_checkpoint, **LIMITS)) as (_, client):
+        response = await client.request(method, path, **kwargs)
+        assert response.status_code == status, response.text
+        body = response.json()
+        if path.startswith("/v1/"):
+            assert set(body) == {"error"}
+            assert set(body["error"]) == {"message", "type", "param", "code"}
+            assert body["error"]["code"] == error_type
+            assert body["error"]["type"] == "invalid_request_error"
+        else:
+            assert set(body) == {"error", "error_type"}
+            assert body["error_type"] == error_type
+        assert "Traceback" not in response.text
+        # The service keeps serving afterwards.
+        assert (await client.post("/embed", json={"inputs": "hello"})).status_code == 200
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_errors_name_the_limit_and_the_size(tiny_checkpoint: Path) -> None:
+    async with running_app(make_settings(tiny_checkpoint, **LIMITS)) as (_, client):
+        attention = await client.post("/encode", json={"inputs": LONG, "attention": {}})
+        many = await client.post("/embed", json={"inputs": ["a"] * 9})
+        metrics = (await client.get("/metrics")).text
+    assert "limit of 500" in attention.json()["error"]
+    assert str(2 * 4 * 48 * 48) in attention.json()["error"]  # layers x heads x T^2
+    assert "9 inputs" in many.json()["error"] and "limit of 8" in many.json()["error"]
+    assert 'embed_failures_total{reason="Validation"} 1.0' in metrics
+    assert 'embed_failures_total{reason="PayloadTooLarge"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic s3cret", "s3cret"])
+async def test_api_key_is_required_on_inference_and_info(
+    tiny_checkpoint: Path, header: str | None
+) -> None:
+    headers = {"authorization": header} if header else {}
+    async with running_app(make_settings(tiny_checkpoint, api_key="s3cret")) as (_, client):
+        for path, body in (
+            ("/embed", {"inputs": "a"}),
+            ("/encode", {"inputs": "a"}),
+            ("/embed_all", {"inputs": "a"}),
+            ("/tokenize", {"inputs": "a"}),
+        ):
+            response = await client.post(path, json=body, headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error_type"] == "Unauthorized"
+        openai_response = await client.post("/v1/embeddings", json={"input": "a"}, headers=headers)
+        assert openai_response.status_code == 401
+        assert openai_response.json()["error"]["type"] == "authentication_error"
+        assert (await client.get("/info", headers=headers)).status_code == 401
+        for path in ("/health", "/live", "/metrics"):  # probes and scrapes need no key
+            assert (await client.get(path)).status_code == 200
+        good = {"authorization": "Bearer s3cret"}
+        assert (await client.post("/embed", json={"inputs": "a"}, headers=good)).status_code == 200
+
+
+async def test_unexpected_error_is_a_generic_500_with_request_id(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.routes import tei
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("secret internal detail")
+
+    monkeypatch.setattr(tei, "pooled_vectors", broken)
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        response = await client.post(
+            "/embed", json={"inputs": "a"}, headers={"x-request-id": "abc123"}
+        )
+        assert response.status_code == 500
+        assert response.json() == {
+            "error": "internal error (request id abc123)",
+            "error_type": "Internal",
+        }
+        assert response.headers["x-request-id"] == "abc123"
+        assert (await client.post("/encode", json={"inputs": "a"})).status_code == 200

@@ -1,0 +1,175 @@
+"""Dynamic batching: real batches, bounded queue, failure isolation, abandoned inputs dropped."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.batcher import Batcher, WorkItem
+from app.errors import OverloadedError
+from app.metrics import Metrics
+from app.service import ClientDisconnectedError, EncodeOptions
+from model import Embedder
+from tests.app.conftest import GatedForward, make_settings, running_app, service_of, wait_until
+from tests.helpers import TINY_VOCAB
+
+pytestmark = pytest.mark.anyio
+SENTENCES = [" ".join(["hello", "world", "fox"][: 1 + i % 3] * (1 + i % 7)) for i in range(24)]
+
+
+async def test_concurrent_requests_are_batched_and_equal_to_alone(tiny_checkpoint: Path) -> None:
+    async with running_app(make_settings(tiny_checkpoint)) as (app, client):
+        alone = [(await client.post("/embed", json={"inputs": s})).json()[0] for s in SENTENCES]
+        gate = GatedForward(service_of(app))
+        gate.gate.clear()  # hold the worker so that the concurrent requests queue up together
+        tasks = [asyncio.create_task(client.post("/embed", json={"inputs": s})) for s in SENTENCES]
+        batcher = service_of(app).batcher
+        assert batcher is not None
+        # Every input is either queued or in the batch the held worker took.
+        await wait_until(lambda: batcher.depth + sum(map(len, gate.batches)) == len(SENTENCES))
+        gate.gate.set()
+        responses = await asyncio.gather(*tasks)
+        metrics = (await client.get("/metrics")).text
+    assert all(r.status_code == 200 for r in responses)
+    assert max(len(batch) for batch in gate.batches) > 1
+    together = [r.json()[0] for r in responses]
+    assert np.abs(np.array(together) - np.array(alone)).max() <= 1e-5
+    count = float(
+        next(
+            line.split()[-1]
+            for line in metrics.splitlines()
+            if line.startswith("embed_batch_size_count")
+        )
+    )
+    total = float(
+        next(
+            line.split()[-1]
+            for line in metrics.splitlines()
+            if line.startswith("embed_batch_size_sum")
+        )
+    )
+    assert total / count > 1  # the metrics show batches of more than one input
+
+
+async def test_full_queue_answers_429_and_loses_nothing(tiny_checkpoint: Path) -> None:
+    settings = make_settings(tiny_checkpoint, max_queued_inputs=4, max_batch_inputs=1)
+    async with running_app(settings) as (app, client):
+        gate = GatedForward(service_of(app))
+        gate.gate.clear()
+        first = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
+        await asyncio.to_thread(gate.entered.wait, 10)  # the worker holds "hello"
+        queued = [
+            asyncio.create_task(client.post("/embed", json={"inputs": f"fox {i}"}))
+            for i in range(4)
+        ]
+        batcher = service_of(app).batcher
+        assert batcher is not None
+        await wait_until(lambda: batcher.depth == 4)
+        rejected = await client.post("/embed", json={"inputs": "one too many"})
+        too_big = await client.post("/embed", json={"inputs": ["a", "b"]})
+        gate.gate.set()
+        accepted = await asyncio.gather(first, *queued)
+    assert rejected.status_code == 429
+    assert rejected.json()["error_type"] == "Overloaded"
+    assert int(rejected.headers["retry-after"]) >= 1
+    assert too_big.status_code == 429
+    assert [r.status_code for r in accepted] == [200] * 5
+    assert len(gate.batches) == 5  # every accepted input ran exactly once
+
+
+async def test_failing_batch_fails_only_its_requests(tiny_checkpoint: Path) -> None:
+    fox = TINY_VOCAB.index("fox")
+    settings = make_settings(tiny_checkpoint, max_batch_inputs=1)
+    async with running_app(settings) as (app, client):
+        gate = GatedForward(service_of(app))
+        gate.fail_when = lambda batch: any(fox in ids for ids in batch)
+        healthy, failing = await asyncio.gather(
+            client.post("/embed", json={"inputs": "hello"}),
+            client.post("/embed", json={"inputs": "fox"}),
+        )
+        after = await client.post("/embed", json={"inputs": "hello world"})
+        health = await client.get("/health")
+    assert healthy.status_code == 200
+    assert failing.status_code == 500
+    assert failing.json()["error_type"] == "Backend"
+    assert "injected" not in failing.text and "Traceback" not in failing.text
+    assert "request id" in failing.json()["error"]
+    assert after.status_code == 200 and health.status_code == 200
+
+
+async def test_timed_out_input_is_dropped_before_it_runs(tiny_checkpoint: Path) -> None:
+    settings = make_settings(tiny_checkpoint, request_timeout=0.3, max_batch_inputs=1)
+    async with running_app(settings) as (app, client):
+        gate = GatedForward(service_of(app))
+        gate.gate.clear()
+        held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
+        await asyncio.to_thread(gate.entered.wait, 10)
+        late = await client.post("/embed", json={"inputs": "fox"})
+        gate.gate.set()
+        await held
+        after = await client.post("/embed", json={"inputs": "world"})
+    assert late.status_code == 503
+    assert "timeout" in late.json()["error"]
+    fox = TINY_VOCAB.index("fox")
+    assert not any(fox in ids for batch in gate.batches for ids in batch)
+    assert after.status_code == 200
+
+
+async def test_disconnected_client_is_dropped_before_it_runs(tiny_checkpoint: Path) -> None:
+    async with running_app(make_settings(tiny_checkpoint, max_batch_inputs=1)) as (app, client):
+        service = service_of(app)
+        gate = GatedForward(service)
+        gate.gate.clear()
+        held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
+        await asyncio.to_thread(gate.entered.wait, 10)
+
+        async def gone() -> None:
+            await asyncio.sleep(0.05)
+
+        with pytest.raises(ClientDisconnectedError):
+            await service.encode(["fox"], EncodeOptions(), gone)
+        gate.gate.set()
+        await held
+    fox = TINY_VOCAB.index("fox")
+    assert not any(fox in ids for batch in gate.batches for ids in batch)
+
+
+def make_items(lengths: list[int]) -> list[WorkItem]:
+    loop = asyncio.new_event_loop()
+    try:
+        return [WorkItem(list(range(n)), loop.create_future()) for n in lengths]
+    finally:
+        loop.close()
+
+
+def test_batch_holds_the_oldest_and_groups_by_length(tiny_embedder: Embedder) -> None:
+    batcher = Batcher(
+        tiny_embedder, Metrics(), max_batch_tokens=40, max_batch_inputs=3, max_queued_inputs=100
+    )
+    items = make_items([20, 3, 19, 4, 18, 2])
+    batch = batcher._choose(items)
+    assert batch[0] is items[0]  # the oldest always runs, however long
+    assert [len(i.ids) for i in batch] == [20, 19]  # 20 x 3 would pass the 40-token budget
+    lone = batcher._choose(make_items([64, 2, 2]))
+    assert [len(i.ids) for i in lone] == [64]  # over budget alone, yet it runs
+
+
+def test_batch_respects_the_input_count(tiny_embedder: Embedder) -> None:
+    batcher = Batcher(
+        tiny_embedder, Metrics(), max_batch_tokens=1000, max_batch_inputs=3, max_queued_inputs=100
+    )
+    items = make_items([5, 9, 5, 6, 5])
+    assert [len(i.ids) for i in batcher._choose(items)] == [5, 5, 5]
+
+
+def test_submit_is_all_or_nothing(tiny_embedder: Embedder) -> None:
+    batcher = Batcher(
+        tiny_embedder, Metrics(), max_batch_tokens=1000, max_batch_inputs=3, max_queued_inputs=3
+    )
+    batcher.submit(make_items([1, 2]))
+    with pytest.raises(OverloadedError):
+        batcher.submit(make_items([1, 2]))
+    assert batcher.depth == 2

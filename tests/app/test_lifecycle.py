@@ -1,0 +1,142 @@
+"""Readiness, draining and settings: what load balancers and operators rely on."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from app.__main__ import load_settings
+from app.main import create_app
+from app.settings import Settings
+from tests.app.conftest import GatedForward, make_settings, running_app, service_of
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_health_is_503_until_loaded_and_live_never_waits(tiny_checkpoint: Path) -> None:
+    import httpx
+
+    app = create_app(make_settings(tiny_checkpoint))
+    service = service_of(app)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        # Before the lifespan runs nothing is loaded: not ready, yet alive.
+        health = await client.get("/health")
+        assert health.status_code == 503
+        assert health.json() == {"error": "the model is loading", "error_type": "Unhealthy"}
+        assert (await client.get("/live")).status_code == 200
+        assert (await client.post("/embed", json={"inputs": "a"})).status_code == 503
+        async with app.router.lifespan_context(app):
+            for _ in range(300):
+                if service.ready:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await client.get("/health")).status_code == 200
+
+
+async def test_a_model_that_cannot_load_keeps_health_503(tmp_path: Path) -> None:
+    import httpx
+
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    reasons: list[str] = []
+    app = create_app(make_settings(tmp_path), on_fatal=reasons.append)
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        for _ in range(300):
+            if reasons:
+                break
+            await asyncio.sleep(0.01)
+        health = await client.get("/health")
+    assert reasons and "missing key 'vocab_size'" in reasons[0]
+    assert health.status_code == 503
+    assert "failed to load" in health.json()["error"]
+
+
+async def test_drain_refuses_new_work_and_finishes_accepted_work(tiny_checkpoint: Path) -> None:
+    async with running_app(make_settings(tiny_checkpoint)) as (app, client):
+        service = service_of(app)
+        gate = GatedForward(service)
+        gate.gate.clear()
+        accepted = [
+            asyncio.create_task(client.post("/embed", json={"inputs": f"hello {i}"}))
+            for i in range(3)
+        ]
+        await asyncio.to_thread(gate.entered.wait, 10)
+        service.begin_drain()
+        health = await client.get("/health")
+        refused = await client.post("/embed", json={"inputs": "new work"})
+        idle = asyncio.create_task(service.wait_idle(10))
+        await asyncio.sleep(0.05)
+        assert not idle.done()  # accepted requests are still running
+        gate.gate.set()
+        finished = await asyncio.gather(*accepted)
+        assert await idle
+    assert health.status_code == 503 and health.json()["error"] == "the server is shutting down"
+    assert refused.status_code == 503
+    assert [r.status_code for r in finished] == [200, 200, 200]
+
+
+async def test_drain_gives_up_after_the_grace_period(tiny_checkpoint: Path) -> None:
+    async with running_app(make_settings(tiny_checkpoint)) as (app, client):
+        service = service_of(app)
+        gate = GatedForward(service)
+        gate.gate.clear()
+        held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
+        await asyncio.to_thread(gate.entered.wait, 10)
+        service.begin_drain()
+        assert await service.wait_idle(0.1) is False
+        gate.gate.set()
+        await held
+
+
+def test_settings_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBED_MAX_BATCH_TOKENS", "999")
+    monkeypatch.setenv("EMBED_CORS_ORIGINS", "https://a.example,https://b.example")
+    settings = load_settings(
+        [
+            "--port",
+            "9000",
+            "--device",
+            "cuda:1",
+            "--no-auto-truncate",
+            "--api-key",
+            "k",
+            "--log-format",
+            "json",
+        ]
+    )
+    assert settings.port == 9000 and settings.device == "cuda:1"
+    assert settings.auto_truncate is False and settings.max_batch_tokens == 999
+    assert settings.api_key is not None and settings.api_key.get_secret_value() == "k"
+    assert settings.cors_origins == ["https://a.example", "https://b.example"]
+    assert Settings().host == "0.0.0.0" and Settings().port == 8080
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--port", "70000"], "port"),
+        (["--device", "tpu"], "device"),
+        (["--dtype", "float8"], "dtype"),
+        (["--max-batch-tokens", "0"], "max_batch_tokens"),
+        (["--request-timeout", "-1"], "request_timeout"),
+        (["--log-format", "xml"], "log_format"),
+    ],
+)
+def test_bad_setting_stops_start_up_naming_it(argv: list[str], named: str) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        load_settings(argv)
+    assert named in str(stopped.value)
+
+
+def test_unknown_model_stops_start_up_before_binding(capsys: pytest.CaptureFixture[str]) -> None:
+    from app.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--model-id", "nobody/nothing", "--device", "cpu"])
+    assert "nobody/nothing" in str(stopped.value)
