@@ -60,12 +60,14 @@ class Batcher:
         max_batch_tokens: int,
         max_batch_inputs: int,
         max_queued_inputs: int,
+        batch_wait: float = 0.0,
     ) -> None:
         self.embedder = embedder
         self.metrics = metrics
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_inputs = max_batch_inputs
         self.max_queued_inputs = max_queued_inputs
+        self.batch_wait = batch_wait
         self._queue: list[WorkItem] = []
         self._condition = threading.Condition()
         self._stopping = False
@@ -121,6 +123,14 @@ class Batcher:
                 if self._queue or self._stopping:
                     break
                 self._condition.wait()
+            # Requests answered a moment ago come back a few milliseconds later; a short wait
+            # for them turns a trickle of tiny batches into fewer, fuller ones.
+            deadline = time.perf_counter() + self.batch_wait
+            while len(self._queue) < self.max_batch_inputs and not self._stopping:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                self._condition.wait(remaining)
             if self._stopping:
                 return None
             batch = self._choose(self._queue[: self.max_batch_inputs * WINDOW_FACTOR])

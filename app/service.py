@@ -111,6 +111,7 @@ class EmbeddingService:
             max_batch_tokens=settings.max_batch_tokens,
             max_batch_inputs=settings.max_batch_inputs,
             max_queued_inputs=settings.max_queued_inputs,
+            batch_wait=settings.batch_wait_ms / 1000,
         )
         self.batcher.start(asyncio.get_running_loop())
         self.warmed_up = True

@@ -44,6 +44,12 @@ class Settings(BaseSettings):
         16384, ge=1, description="Padded tokens (longest x count) one forward pass may hold."
     )
     max_batch_inputs: int = Field(64, ge=1, description="Inputs one forward pass may hold.")
+    batch_wait_ms: float = Field(
+        2.0,
+        ge=0,
+        le=1000,
+        description="Most milliseconds the worker waits for a batch to fill (latency vs size).",
+    )
     max_inputs_per_request: int = Field(
         256, ge=1, description="Inputs one request may carry (more: 413)."
     )
