@@ -9,7 +9,8 @@
      ├── ValidationFailedError  422  a field is invalid (too long, bad dimensions, ...)
      ├── OverloadedError        429  the queue is full (with Retry-After)
      ├── BackendError           500  the forward pass failed for this batch
-     └── UnavailableError       503  not ready, draining, or timed out waiting in the queue
+     ├── UnavailableError       503  not ready, draining, or timed out waiting in the queue
+     └── FrameworkError         4xx  what the framework rejects: unknown route, wrong method, ...
 Anything else is a 500 with a request id; its traceback goes to the log only.
 """
 
@@ -85,3 +86,14 @@ class UnavailableError(ServiceError):
     """The service is not ready, is draining, or could not answer in time."""
 
     status, error_type, openai_type = 503, "Unhealthy", "server_error"
+
+
+class FrameworkError(ServiceError):
+    """An HTTP-level rejection from the framework (404, 405, an unreadable body)."""
+
+    openai_type = "invalid_request_error"
+
+    def __init__(self, message: str, status: int, error_type: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type

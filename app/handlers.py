@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from app.errors import (
+    FrameworkError,
     MalformedRequestError,
     OverloadedError,
     ServiceError,
@@ -17,8 +19,7 @@ from app.errors import (
 )
 from app.metrics import Metrics
 from app.responses import JSONResponse
-
-log = logging.getLogger(__name__)
+from app.schemas import INPUTS_DESCRIPTION
 
 _HTTP_TYPES = {404: "NotFound", 405: "MethodNotAllowed"}
 
@@ -65,20 +66,24 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     elif any(e.get("type") == "json_invalid" for e in errors):
         error = MalformedRequestError("the body is not valid JSON")
     else:
-        first = errors[0]
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-        # Union types report one error per branch; the first names the field and the problem.
-        error = ValidationFailedError(f"{where or 'body'}: {first.get('msg')}", param=where or None)
+        error = _first_problem(errors)
     return error_response(request, error)
+
+
+def _first_problem(errors: Sequence[Any]) -> ValidationFailedError:
+    loc = [str(part) for part in errors[0].get("loc", ()) if part != "body"]
+    field = loc[0] if loc else None
+    if field in ("inputs", "input"):
+        # A union: pydantic reports one error per branch, none of which says what would fit.
+        return ValidationFailedError(f"{field}: expected {INPUTS_DESCRIPTION.lower()}", param=field)
+    where = ".".join(loc)
+    return ValidationFailedError(f"{where or 'body'}: {errors[0].get('msg')}", param=where or None)
 
 
 async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
-    error = ServiceError(str(exc.detail))
-    error.status = exc.status_code
-    error.error_type = _HTTP_TYPES.get(exc.status_code, "Malformed")
-    error.openai_type = "invalid_request_error"
-    return error_response(request, error)
+    error_type = _HTTP_TYPES.get(exc.status_code, "Malformed")
+    return error_response(request, FrameworkError(str(exc.detail), exc.status_code, error_type))
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -247,11 +247,13 @@ async def test_errors_name_the_limit_and_the_size(tiny_checkpoint: Path) -> None
     async with running_app(make_settings(tiny_checkpoint, **LIMITS)) as (_, client):
         attention = await client.post("/encode", json={"inputs": LONG, "attention": {}})
         many = await client.post("/embed", json={"inputs": ["a"] * 9})
+        wrong = await client.post("/embed", json={"inputs": [1.5]})
         metrics = (await client.get("/metrics")).text
     assert "limit of 500" in attention.json()["error"]
     assert str(2 * 4 * 48 * 48) in attention.json()["error"]  # layers x heads x T^2
     assert "9 inputs" in many.json()["error"] and "limit of 8" in many.json()["error"]
-    assert 'embed_failures_total{reason="Validation"} 1.0' in metrics
+    assert wrong.json()["error"].startswith("inputs: expected a string, a list of token ids")
+    assert 'embed_failures_total{reason="Validation"} 2.0' in metrics
     assert 'embed_failures_total{reason="PayloadTooLarge"} 1.0' in metrics
 
 
