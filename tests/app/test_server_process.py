@@ -136,3 +136,19 @@ async def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
     assert refused.status_code == 503
     assert refused.json()["error"] == "the server is shutting down"
     assert code == 0
+
+
+def test_a_model_that_cannot_load_stops_the_process(tmp_path: Path) -> None:
+    from tests.helpers import make_random_checkpoint
+
+    folder = tmp_path / "broken"
+    make_random_checkpoint(folder)
+    (folder / "model.safetensors").write_bytes(b"truncated")
+    server = ServerProcess(tmp_path, "--model-id", str(folder))
+    try:
+        code = server.process.wait(timeout=60)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+    assert code == 1
+    assert "model.safetensors: corrupt or truncated" in server.log.read_text()
