@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +30,7 @@ def read_json(path: Path, *, required: bool = True) -> Any:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
 
 
-@dataclass(frozen=True)
-class LoadedWeights:
-    tensors: dict[str, torch.Tensor]
-    unexpected: list[str]
-
-
-def load_weights(folder: Path, expected: Mapping[str, torch.Size]) -> LoadedWeights:
+def load_weights(folder: Path, expected: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
     """Read exactly the expected tensors from `model.safetensors`, checking every shape.
 
     A checkpoint saved from a task model (`bert.embeddings...`) is read through its prefix.
@@ -69,7 +62,7 @@ def load_weights(folder: Path, expected: Mapping[str, torch.Size]) -> LoadedWeig
     unexpected = sorted(k for k in keys if k.removeprefix(prefix) not in expected)
     if unexpected:
         log.info("%s: ignoring %d unused tensors: %s", path, len(unexpected), ", ".join(unexpected))
-    return LoadedWeights(tensors, unexpected)
+    return tensors
 
 
 def _key_prefix(keys: set[str], expected: Mapping[str, torch.Size]) -> str:

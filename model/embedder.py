@@ -153,10 +153,12 @@ class Embedder:
             raise ConfigError(f"{folder / 'config.json'}: expected a JSON object")
         config = EncoderConfig.from_hf(raw_config, str(folder / "config.json"))
         layout = read_layout(folder)
-        network = TransformerEncoder(config)
+        # Built on the meta device: no random init, and the loaded tensors become the
+        # parameters (assign=True) instead of being copied into a second set of them.
+        with torch.device("meta"):
+            network = TransformerEncoder(config)
         expected = {key: value.shape for key, value in network.state_dict().items()}
-        weights = load_weights(folder, expected)
-        network.load_state_dict(weights.tensors, strict=True)
+        network.load_state_dict(load_weights(folder, expected), strict=True, assign=True)
         network.to(device=device, dtype=dtype).eval().requires_grad_(False)
         limits = [layout.max_seq_length or config.max_positions, config.max_positions]
         max_tokens = min(limits + ([max_input_tokens] if max_input_tokens else []))

@@ -5,6 +5,8 @@ Attribute names follow the Hugging Face BERT checkpoint keys
 
 Mask rule, used everywhere: `attention_mask` is (B, T) with 1 for a real token and 0 for
 padding; it hides padded *keys* and broadcasts as (B, 1, 1, T) over heads and queries.
+Position-wise layers (projections, feed-forward, LayerNorm) run on the N real tokens only,
+packed as (N, D); attention runs on the padded (B, T) grid. Padding costs no dense compute.
 Dropout is left out: this network only runs inference.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,37 @@ from model.config import EncoderConfig
 def key_padding_mask(attention_mask: Tensor) -> Tensor:
     """(B, T) 1/0 mask -> (B, 1, 1, T) bool, True where a key may be attended to."""
     return attention_mask.bool()[:, None, None, :]
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Where the real tokens of a padded (B, T) batch sit."""
+
+    batch: int
+    width: int
+    # Flat positions of the real tokens, (N,); None when nothing is padded.
+    index: Tensor | None
+    key_mask: Tensor  # (B, 1, 1, T)
+
+    @classmethod
+    def from_mask(cls, attention_mask: Tensor) -> TokenLayout:
+        batch, width = attention_mask.shape
+        flat = attention_mask.reshape(-1).bool()
+        index = None if bool(flat.all()) else flat.nonzero().squeeze(1)
+        return cls(batch, width, index, key_padding_mask(attention_mask))
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(B, T, F) -> (N, F): the real tokens only."""
+        flat = x.reshape(self.batch * self.width, x.shape[-1])
+        return flat if self.index is None else flat.index_select(0, self.index)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """(N, F) -> (B, T, F), zeros where the padding is."""
+        if self.index is None:
+            return x.view(self.batch, self.width, x.shape[-1])
+        grid = x.new_zeros(self.batch * self.width, x.shape[-1])
+        grid.index_copy_(0, self.index, x)
+        return grid.view(self.batch, self.width, x.shape[-1])
 
 
 def sinusoidal_table(length: int, d_model: int) -> Tensor:
@@ -92,12 +126,13 @@ class SelfAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(
-        self, x: Tensor, key_mask: Tensor, need_probs: bool
+        self, h: Tensor, layout: TokenLayout, need_probs: bool
     ) -> tuple[Tensor, Tensor | None]:
-        B, T, D = x.shape
-        q = self.query(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.key(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        v = self.value(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        """(N, D) packed tokens -> (N, D) context, and (B, H, T, T) probabilities if asked."""
+        B, T, D = layout.batch, layout.width, h.shape[-1]
+        qkv = layout.unpack(torch.cat([self.query(h), self.key(h), self.value(h)], dim=-1))
+        q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        key_mask = layout.key_mask  # q, k, v: (B, H, T, hd)
         probs: Tensor | None = None
         if need_probs:
             scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # (B, H, T, T)
@@ -108,7 +143,7 @@ class SelfAttention(nn.Module):
             context = probs @ v
         else:
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-        return context.transpose(1, 2).reshape(B, T, D), probs  # (B, T, D)
+        return layout.pack(context.transpose(1, 2).reshape(B, T, D)), probs
 
 
 class DenseNorm(nn.Module):
@@ -153,15 +188,16 @@ class EncoderBlock(nn.Module):
         self.output = DenseNorm(config.intermediate_size, config)
 
     def forward(
-        self, x: Tensor, key_mask: Tensor, need_probs: bool
+        self, x: Tensor, layout: TokenLayout, need_probs: bool
     ) -> tuple[Tensor, Tensor | None]:
+        """(N, D) packed tokens in and out."""
         attn, ffn = self.attention.output, self.output
         if self.norm_first:
-            context, probs = self.attention.self(attn.LayerNorm(x), key_mask, need_probs)
+            context, probs = self.attention.self(attn.LayerNorm(x), layout, need_probs)
             x = x + attn.dense(context)
             x = x + ffn.dense(self.intermediate(ffn.LayerNorm(x)))
         else:
-            context, probs = self.attention.self(x, key_mask, need_probs)
+            context, probs = self.attention.self(x, layout, need_probs)
             x = attn.LayerNorm(x + attn.dense(context))
             x = ffn.LayerNorm(x + ffn.dense(self.intermediate(x)))
         return x, probs
@@ -179,15 +215,17 @@ class EncoderStack(nn.Module):
     def forward(
         self, x: Tensor, attention_mask: Tensor, attention_layers: Collection[int] = ()
     ) -> tuple[Tensor, dict[int, Tensor]]:
-        key_mask = key_padding_mask(attention_mask)
+        """(B, T, D) in and out; padded positions come out as zeros."""
+        layout = TokenLayout.from_mask(attention_mask)
+        h = layout.pack(x)  # (N, D)
         maps: dict[int, Tensor] = {}
         for index, block in enumerate(self.layer):
-            x, probs = block(x, key_mask, index in attention_layers)
+            h, probs = block(h, layout, index in attention_layers)
             if probs is not None:
                 maps[index] = probs  # (B, H, T, T)
         if hasattr(self, "norm"):
-            x = self.norm(x)
-        return x, maps
+            h = self.norm(h)
+        return layout.unpack(h), maps
 
 
 class TransformerEncoder(nn.Module):
