@@ -5,8 +5,9 @@ Attribute names follow the Hugging Face BERT checkpoint keys
 
 Mask rule, used everywhere: `attention_mask` is (B, T) with 1 for a real token and 0 for
 padding; it hides padded *keys* and broadcasts as (B, 1, 1, T) over heads and queries.
-Position-wise layers (projections, feed-forward, LayerNorm) run on the N real tokens only,
-packed as (N, D); attention runs on the padded (B, T) grid. Padding costs no dense compute.
+When a batch is mostly padding-free the whole network runs on the padded (B, T) grid; when
+padding is a large share, position-wise layers (projections, feed-forward, LayerNorm) run on
+the N real tokens only, packed as (N, D), and attention runs on the grid.
 Dropout is left out: this network only runs inference.
 """
 
@@ -28,13 +29,18 @@ def key_padding_mask(attention_mask: Tensor) -> Tensor:
     return attention_mask.bool()[:, None, None, :]
 
 
+# Below this share of padding, gathering and scattering the real tokens costs more than
+# computing the padded rows (measured on CPU with all-MiniLM-L6-v2).
+PACKING_MIN_PADDING = 0.1
+
+
 @dataclass(frozen=True)
 class TokenLayout:
     """Where the real tokens of a padded (B, T) batch sit."""
 
     batch: int
     width: int
-    # Flat positions of the real tokens, (N,); None when nothing is padded.
+    # Flat positions of the real tokens, (N,); None when the layers run on the whole grid.
     index: Tensor | None
     key_mask: Tensor  # (B, 1, 1, T)
 
@@ -42,16 +48,17 @@ class TokenLayout:
     def from_mask(cls, attention_mask: Tensor) -> TokenLayout:
         batch, width = attention_mask.shape
         flat = attention_mask.reshape(-1).bool()
-        index = None if bool(flat.all()) else flat.nonzero().squeeze(1)
+        padding = 1 - int(flat.sum()) / max(flat.numel(), 1)
+        index = flat.nonzero().squeeze(1) if padding >= PACKING_MIN_PADDING else None
         return cls(batch, width, index, key_padding_mask(attention_mask))
 
     def pack(self, x: Tensor) -> Tensor:
-        """(B, T, F) -> (N, F): the real tokens only."""
+        """(B, T, F) -> (N, F): the real tokens only (all B x T of them when unpacked)."""
         flat = x.reshape(self.batch * self.width, x.shape[-1])
         return flat if self.index is None else flat.index_select(0, self.index)
 
     def unpack(self, x: Tensor) -> Tensor:
-        """(N, F) -> (B, T, F), zeros where the padding is."""
+        """(N, F) -> (B, T, F); padded positions hold no meaningful values."""
         if self.index is None:
             return x.view(self.batch, self.width, x.shape[-1])
         grid = x.new_zeros(self.batch * self.width, x.shape[-1])
@@ -130,9 +137,11 @@ class SelfAttention(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """(N, D) packed tokens -> (N, D) context, and (B, H, T, T) probabilities if asked."""
         B, T, D = layout.batch, layout.width, h.shape[-1]
-        qkv = layout.unpack(torch.cat([self.query(h), self.key(h), self.value(h)], dim=-1))
-        q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        key_mask = layout.key_mask  # q, k, v: (B, H, T, hd)
+        q, k, v = (
+            layout.unpack(projection(h)).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+            for projection in (self.query, self.key, self.value)
+        )  # (B, H, T, hd) each
+        key_mask = layout.key_mask
         probs: Tensor | None = None
         if need_probs:
             scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # (B, H, T, T)
@@ -215,7 +224,7 @@ class EncoderStack(nn.Module):
     def forward(
         self, x: Tensor, attention_mask: Tensor, attention_layers: Collection[int] = ()
     ) -> tuple[Tensor, dict[int, Tensor]]:
-        """(B, T, D) in and out; padded positions come out as zeros."""
+        """(B, T, D) in and out; padded positions hold no meaningful values."""
         layout = TokenLayout.from_mask(attention_mask)
         h = layout.pack(x)  # (N, D)
         maps: dict[int, Tensor] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from model import Embedder
@@ -61,3 +62,21 @@ def test_fully_padded_row_gives_no_nan(tiny_embedder: Embedder) -> None:
         _, maps = tiny_embedder.network(ids, mask, {1})
     assert (maps[1][1, :, :, 2] == 0).all()
     assert torch.allclose(maps[1][1, :, :2].sum(-1), torch.ones(4, 2), atol=1e-6)
+
+
+def test_packed_and_grid_layouts_agree(minilm: Embedder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Position-wise layers on packed real tokens give what the padded grid gives."""
+    from model import layers
+
+    ids = [e.ids for e in minilm.tokenize(TEXTS)]
+    monkeypatch.setattr(layers, "PACKING_MIN_PADDING", 0.0)
+    packed = minilm.forward(ids, token_embeddings=True, attention_layers=[0])
+    monkeypatch.setattr(layers, "PACKING_MIN_PADDING", 1.1)
+    grid = minilm.forward(ids, token_embeddings=True, attention_layers=[0])
+    assert packed.token_embeddings is not None and grid.token_embeddings is not None
+    assert (packed.pooled - grid.pooled).abs().max() <= TOLERANCE
+    for a, b in zip(packed.token_embeddings, grid.token_embeddings, strict=True):
+        assert (a - b).abs().max() <= TOLERANCE
+    assert packed.attentions is not None and grid.attentions is not None
+    for a_maps, b_maps in zip(packed.attentions, grid.attentions, strict=True):
+        assert (a_maps[0] - b_maps[0]).abs().max() <= TOLERANCE
