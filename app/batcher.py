@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 FloatArray = npt.NDArray[np.float32]
 # How far past the oldest input the worker looks for inputs of a similar length.
 WINDOW_FACTOR = 4
+# Seconds without a new input after which the worker stops waiting for a fuller batch.
+QUIET_GAP = 0.002
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,14 +125,18 @@ class Batcher:
                 if self._queue or self._stopping:
                     break
                 self._condition.wait()
-            # Requests answered a moment ago come back a few milliseconds later; a short wait
-            # for them turns a trickle of tiny batches into fewer, fuller ones.
+            # Clients answered a moment ago come back within milliseconds: while inputs keep
+            # arriving, wait for them (up to batch_wait) so that one full batch runs instead of
+            # two half ones. A lone request waits only one quiet gap.
             deadline = time.perf_counter() + self.batch_wait
             while len(self._queue) < self.max_batch_inputs and not self._stopping:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
-                self._condition.wait(remaining)
+                waiting = len(self._queue)
+                self._condition.wait(min(remaining, QUIET_GAP))
+                if len(self._queue) == waiting:
+                    break
             if self._stopping:
                 return None
             batch = self._choose(self._queue[: self.max_batch_inputs * WINDOW_FACTOR])

@@ -11,13 +11,16 @@ from app.errors import UnauthorizedError
 from app.service import DisconnectWatch, EmbeddingService
 from app.settings import Settings
 
+# Dependencies are `async def` although they never await: FastAPI runs plain `def` ones in
+# its thread pool, a thread hop per dependency per request.
 
-def get_service(request: Request) -> EmbeddingService:
+
+async def get_service(request: Request) -> EmbeddingService:
     service: EmbeddingService = request.app.state.service
     return service
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
     """Inference and /info need `Authorization: Bearer <key>` when an API key is set."""
     settings: Settings = request.app.state.settings
     if settings.api_key is None:
@@ -28,7 +31,7 @@ def require_api_key(request: Request) -> None:
         raise UnauthorizedError("missing or wrong API key (send 'Authorization: Bearer <key>')")
 
 
-def disconnect_watch(request: Request) -> DisconnectWatch:
+async def disconnect_watch(request: Request) -> DisconnectWatch:
     """A coroutine factory that completes when the client goes away."""
 
     async def disconnected() -> None:

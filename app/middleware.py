@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -29,6 +30,12 @@ class ServiceMiddleware:
         self.metrics = metrics
         self.payload_limit = payload_limit
         self.routes = routes
+        # Unique per process start, then a counter: cheaper than a uuid4 per request.
+        self._id_prefix = uuid.uuid4().hex[:12]
+        self._id_counter = itertools.count(1)
+
+    def _next_id(self) -> str:
+        return f"{self._id_prefix}-{next(self._id_counter)}"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -36,7 +43,7 @@ class ServiceMiddleware:
             return
         started = time.perf_counter()
         headers = dict(scope["headers"])
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or uuid.uuid4().hex
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or self._next_id()
         scope.setdefault("state", {})["request_id"] = request_id
         path: str = scope["path"]
         route = path if path in self.routes else "other"

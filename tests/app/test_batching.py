@@ -173,3 +173,24 @@ def test_submit_is_all_or_nothing(tiny_embedder: Embedder) -> None:
     with pytest.raises(OverloadedError):
         batcher.submit(make_items([1, 2]))
     assert batcher.depth == 2
+
+
+async def test_a_lone_input_does_not_wait_out_the_batch_wait(tiny_embedder: Embedder) -> None:
+    """Waiting for a fuller batch stops as soon as inputs stop arriving."""
+    batcher = Batcher(
+        tiny_embedder,
+        Metrics(),
+        max_batch_tokens=1000,
+        max_batch_inputs=8,
+        max_queued_inputs=100,
+        batch_wait=30.0,
+    )
+    loop = asyncio.get_running_loop()
+    batcher.start(loop)
+    try:
+        item = WorkItem([2, 40, 3], loop.create_future())
+        batcher.submit([item])
+        result = await asyncio.wait_for(item.future, timeout=10)  # far below the 30 s cap
+        assert result.pooled.shape == (tiny_embedder.info.dimensions,)
+    finally:
+        batcher.stop()
