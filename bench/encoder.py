@@ -68,12 +68,16 @@ def best_interleaved(
 
 
 def peak_rss_mib(engine: str, threads: int) -> float:
-    """Load one engine in a fresh process, run every point once, return its max RSS."""
+    """Load one engine in a fresh process, run every point once, return its peak RSS.
+
+    VmHWM belongs to the child's own address space; ru_maxrss would carry over the parent's
+    high-water mark through fork and exec.
+    """
     code = (
-        "import resource, torch; from bench.encoder import load_engine, points; "
+        "import re, torch; from bench.encoder import load_engine, points; "
         f"torch.set_num_threads({threads}); encode = load_engine({engine!r}); "
         "[encode(texts) for _, texts in points()]; "
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"
     )
     output = subprocess.run(
         [sys.executable, "-c", code], check=True, capture_output=True, text=True
