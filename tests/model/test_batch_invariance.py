@@ -80,3 +80,17 @@ def test_packed_and_grid_layouts_agree(minilm: Embedder, monkeypatch: pytest.Mon
     assert packed.attentions is not None and grid.attentions is not None
     for a_maps, b_maps in zip(packed.attentions, grid.attentions, strict=True):
         assert (a_maps[0] - b_maps[0]).abs().max() <= TOLERANCE
+
+
+def test_chunked_feed_forward_matches_whole(
+    tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from model import layers
+
+    ids = [e.ids for e in tiny_embedder.tokenize(TEXTS)]
+    whole = tiny_embedder.forward(ids, token_embeddings=True)
+    monkeypatch.setattr(layers, "FEED_FORWARD_CHUNK", 3)  # far fewer than the batch's tokens
+    chunked = tiny_embedder.forward(ids, token_embeddings=True)
+    assert whole.token_embeddings is not None and chunked.token_embeddings is not None
+    for a, b in zip(whole.token_embeddings, chunked.token_embeddings, strict=True):
+        assert (a - b).abs().max() <= TOLERANCE
