@@ -102,6 +102,8 @@ class TextTokenizer:
         if len(kept) > self.max_length:
             if not truncate:
                 raise InputTooLongError(index, len(kept), self.max_length)
+            # A plain cut: ids are taken as the caller made them, so a right cut drops their
+            # closing special token rather than guessing which id that is.
             kept = kept[: self.max_length] if direction == "right" else kept[-self.max_length :]
         return Encoded(
             ids=kept,
