@@ -194,3 +194,17 @@ async def test_a_lone_input_does_not_wait_out_the_batch_wait(tiny_embedder: Embe
         assert result.pooled.shape == (tiny_embedder.info.dimensions,)
     finally:
         batcher.stop()
+
+
+async def test_live_and_metrics_answer_while_a_batch_runs(tiny_checkpoint: Path) -> None:
+    async with running_app(make_settings(tiny_checkpoint)) as (app, client):
+        gate = GatedForward(service_of(app))
+        gate.gate.clear()
+        held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
+        await asyncio.to_thread(gate.entered.wait, 10)  # the worker is inside a forward pass
+        live = await asyncio.wait_for(client.get("/live"), timeout=5)
+        metrics = await asyncio.wait_for(client.get("/metrics"), timeout=5)
+        assert not held.done()
+        gate.gate.set()
+        assert (await held).status_code == 200
+    assert live.status_code == 200 and metrics.status_code == 200
