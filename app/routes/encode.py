@@ -85,7 +85,6 @@ def token_payload(encoded: Encoded) -> list[dict[str, Any]]:
     "/encode",
     response_model=EncodeResponse,
     summary="Pooled and per-token vectors, tokens and attention maps",
-    response_model_exclude_none=True,
 )
 async def encode(
     body: EncodeRequest, service: ServiceDep, disconnected: DisconnectDep

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-import torch
 
 from model import Embedder, finalize
 from tests.app.conftest import make_settings, running_app
@@ -270,7 +269,3 @@ async def test_prompt_name_prepends_the_models_prompt(tiny_checkpoint: Path) -> 
         info = (await client.get("/info")).json()
     assert info["prompts"] == {"query": "the "}
     assert np.allclose(prompted, written, atol=1e-6)
-
-
-def test_tensor_helpers_are_float32() -> None:
-    assert finalize(torch.ones(1, 4), True).dtype == torch.float32
