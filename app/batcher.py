@@ -120,22 +120,14 @@ class Batcher:
 
     def _next_batch(self) -> list[WorkItem] | None:
         with self._condition:
-            while True:
+            while not self._stopping:
+                if not self._queue:
+                    self._condition.wait()
+                    continue
+                self._wait_for_fuller_batch()
+                # Dropped only now: an input can be abandoned during the wait too.
                 self._queue = [item for item in self._queue if not item.abandoned]
-                if self._queue or self._stopping:
-                    break
-                self._condition.wait()
-            # Clients answered a moment ago come back within milliseconds: while inputs keep
-            # arriving, wait for them (up to batch_wait) so that one full batch runs instead of
-            # two half ones. A lone request waits only one quiet gap.
-            deadline = time.perf_counter() + self.batch_wait
-            while len(self._queue) < self.max_batch_inputs and not self._stopping:
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    break
-                waiting = len(self._queue)
-                self._condition.wait(min(remaining, QUIET_GAP))
-                if len(self._queue) == waiting:
+                if self._queue:
                     break
             if self._stopping:
                 return None
@@ -144,6 +136,20 @@ class Batcher:
             self._queue = [item for item in self._queue if id(item) not in chosen]
             self.metrics.queue_depth.set(len(self._queue))
             return batch
+
+    def _wait_for_fuller_batch(self) -> None:
+        """Clients answered a moment ago come back within milliseconds: while inputs keep
+        arriving, wait for them (up to batch_wait) so that one full batch runs instead of two
+        half ones. A lone request waits only one quiet gap. Called with the lock held."""
+        deadline = time.perf_counter() + self.batch_wait
+        while len(self._queue) < self.max_batch_inputs and not self._stopping:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            waiting = len(self._queue)
+            self._condition.wait(min(remaining, QUIET_GAP))
+            if len(self._queue) == waiting:
+                return
 
     def _choose(self, window: list[WorkItem]) -> list[WorkItem]:
         oldest = window[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import numpy as np
@@ -208,3 +209,32 @@ async def test_live_and_metrics_answer_while_a_batch_runs(tiny_checkpoint: Path)
         gate.gate.set()
         assert (await held).status_code == 200
     assert live.status_code == 200 and metrics.status_code == 200
+
+
+def test_input_abandoned_during_the_batch_wait_does_not_run(
+    tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from app import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "QUIET_GAP", 30.0)  # the wait ends only when full
+    batcher = Batcher(
+        tiny_embedder,
+        Metrics(),
+        max_batch_tokens=1000,
+        max_batch_inputs=2,
+        max_queued_inputs=10,
+        batch_wait=30.0,
+    )
+    first, second = make_items([3, 4])
+    batcher.submit([first])
+    chosen: list[list[WorkItem] | None] = []
+    worker = threading.Thread(target=lambda: chosen.append(batcher._next_batch()))
+    worker.start()
+    time.sleep(0.2)  # the worker is now inside the wait for a fuller batch
+    first.abandoned = True  # its client gives up meanwhile
+    batcher.submit([second])  # the batch is full: the wait ends
+    worker.join(timeout=10)
+    assert chosen == [[second]]
+    assert batcher.depth == 0
