@@ -189,7 +189,17 @@ class EmbeddingService:
     async def tokenize(
         self, inputs: Sequence[RawInput], options: EncodeOptions, *, add_special_tokens: bool = True
     ) -> list[Encoded]:
-        embedder = self.check_ready()
+        encoded, _ = await self._tokenize(self.check_ready(), inputs, options, add_special_tokens)
+        return encoded
+
+    async def _tokenize(
+        self,
+        embedder: Embedder,
+        inputs: Sequence[RawInput],
+        options: EncodeOptions,
+        add_special_tokens: bool = True,
+    ) -> tuple[list[Encoded], float]:
+        """Validate, prompt and tokenize in the tokenizer pool; also return the seconds taken."""
         self.validate_inputs(inputs)
         texts = self._apply_prompt(embedder, inputs, options.prompt_name)
         truncate = self.settings.auto_truncate if options.truncate is None else options.truncate
@@ -207,8 +217,9 @@ class EmbeddingService:
             )
         except InputError as exc:
             raise ValidationFailedError(str(exc), param="input") from exc
-        self.metrics.tokenization_seconds.observe(time.perf_counter() - started)
-        return encoded
+        seconds = time.perf_counter() - started
+        self.metrics.tokenization_seconds.observe(seconds)
+        return encoded, seconds
 
     async def encode(
         self,
@@ -218,30 +229,31 @@ class EmbeddingService:
     ) -> EncodeResult:
         """Tokenize, queue every input, and wait for all results (timeout and disconnect aware)."""
         deadline = time.perf_counter() + self.settings.request_timeout
-        self._enter()
+        embedder = self._enter()
         try:
-            started = time.perf_counter()
-            encoded = await self.tokenize(inputs, options)
-            tokenization = time.perf_counter() - started
+            encoded, tokenization = await self._tokenize(embedder, inputs, options)
             self._check_attention_size(encoded, options)
             results = await self._run(encoded, options, deadline, disconnected)
         finally:
             self._leave()
-        for e in encoded:
-            self.metrics.input_tokens.observe(len(e.ids))
-        self.metrics.inputs.inc(len(encoded))
-        self.metrics.tokens.inc(sum(len(e.ids) for e in encoded))
         timings = Timings(
             tokenization,
             max(r.queue_seconds for r in results),
             max(r.inference_seconds for r in results),
         )
-        return EncodeResult(encoded, results, timings)
+        result = EncodeResult(encoded, results, timings)
+        for e in encoded:
+            self.metrics.input_tokens.observe(len(e.ids))
+        self.metrics.inputs.inc(len(encoded))
+        self.metrics.tokens.inc(result.token_count)
+        return result
 
-    def _enter(self) -> None:
-        self.check_ready()
+    def _enter(self) -> Embedder:
+        """Count an accepted request, so that a drain waits for it."""
+        embedder = self.check_ready()
         self.inflight += 1
         self._idle.clear()
+        return embedder
 
     def _leave(self) -> None:
         self.inflight -= 1
