@@ -42,6 +42,7 @@ class DrainingServer(uvicorn.Server):
         self.grace = grace
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Holds the drain task, so that it is not garbage-collected while it runs.
         self._drain: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
@@ -67,7 +68,7 @@ class DrainingServer(uvicorn.Server):
             )
         self.should_exit = True
 
-    def fail(self, reason: str) -> None:
+    def fail(self) -> None:
         """The model could not load: stop serving and exit non-zero."""
         self.exit_code = 1
         self.should_exit = True
@@ -95,8 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     server: DrainingServer | None = None
 
     def on_fatal(reason: str) -> None:
+        # create_app has logged the reason; the process only has to stop with an error code.
         if server is not None:
-            server.fail(reason)
+            server.fail()
 
     app = create_app(settings, on_fatal=on_fatal)
     config = uvicorn.Config(

@@ -7,10 +7,12 @@ from typing import Any, Literal
 
 import numpy as np
 import orjson
+import torch
 from starlette.responses import Response
 
 from app.batcher import FloatArray
 from app.service import EncodeResult
+from model import finalize
 
 Encoding = Literal["float", "base64"]
 
@@ -32,6 +34,18 @@ def array_payload(array: FloatArray, encoding: Encoding) -> Any:
     if encoding == "float":
         return array
     return {"dtype": "float32", "shape": list(array.shape), "data": base64_floats(array)}
+
+
+def pooled_vectors(result: EncodeResult, normalize: bool, dimensions: int | None) -> FloatArray:
+    """(N, D') float32: truncated to `dimensions`, then normalised if asked."""
+    stacked = torch.from_numpy(np.stack([item.pooled for item in result.items]))
+    # orjson serialises only C-contiguous arrays; a cut without normalising is a view.
+    return np.ascontiguousarray(finalize(stacked, normalize, dimensions).numpy())
+
+
+def usage_payload(result: EncodeResult) -> dict[str, int]:
+    """OpenAI's usage block; embeddings have no completion, so both counts are the input's."""
+    return {"prompt_tokens": result.token_count, "total_tokens": result.token_count}
 
 
 def timing_headers(result: EncodeResult) -> dict[str, str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Depends
@@ -10,9 +10,15 @@ from fastapi import APIRouter, Depends
 from app.batcher import ItemResult
 from app.dependencies import DisconnectDep, ServiceDep, require_api_key
 from app.errors import ValidationFailedError
-from app.responses import Encoding, JSONResponse, array_payload, timing_headers
+from app.responses import (
+    Encoding,
+    JSONResponse,
+    array_payload,
+    pooled_vectors,
+    timing_headers,
+    usage_payload,
+)
 from app.routes.errors import error_responses
-from app.routes.tei import pooled_vectors
 from app.schemas import AttentionRequest, EncodeRequest, EncodeResponse
 from model import Encoded, ModelInfo
 
@@ -35,38 +41,33 @@ def resolve_indices(asked: list[int] | None, count: int, what: str) -> list[int]
     return list(dict.fromkeys(resolved))
 
 
-def attention_options(attention: AttentionRequest | None, info: ModelInfo) -> dict[str, Any]:
-    if attention is None:
-        return {}
-    layers = resolve_indices(attention.layers, info.num_layers, "layer")
-    heads = resolve_indices(attention.heads, info.num_heads, "head")
-    return {
-        "attention_layers": frozenset(layers),
-        "attention_maps_per_layer": 1 if attention.reduce == "mean" else len(heads),
-    }
+@dataclass(frozen=True)
+class AttentionSelection:
+    """The layers and heads a request asked for, checked against the model once."""
 
+    layers: frozenset[int]
+    heads: list[int]
+    mean: bool
 
-def attention_payload(
-    item: ItemResult, attention: AttentionRequest, info: ModelInfo, encoding: Encoding
-) -> list[dict[str, Any]]:
-    assert item.attentions is not None
-    heads = resolve_indices(attention.heads, info.num_heads, "head")
-    maps = []
-    for layer in sorted(item.attentions):
-        selected = item.attentions[layer][heads]  # (heads, T, T)
-        if attention.reduce == "mean":
-            maps.append(
-                {
-                    "layer": layer,
-                    "heads": None,
-                    "values": array_payload(selected.mean(axis=0), encoding),
-                }
-            )
-        else:
-            maps.append(
-                {"layer": layer, "heads": heads, "values": array_payload(selected, encoding)}
-            )
-    return maps
+    @classmethod
+    def resolve(cls, attention: AttentionRequest, info: ModelInfo) -> AttentionSelection:
+        return cls(
+            frozenset(resolve_indices(attention.layers, info.num_layers, "layer")),
+            resolve_indices(attention.heads, info.num_heads, "head"),
+            attention.reduce == "mean",
+        )
+
+    def payload(self, item: ItemResult, encoding: Encoding) -> list[dict[str, Any]]:
+        assert item.attentions is not None, "the batch ran with these layers' maps"
+        maps = []
+        for layer in sorted(item.attentions):
+            selected = item.attentions[layer][self.heads]  # (heads, T, T)
+            if self.mean:
+                values, heads = selected.mean(axis=0), None
+            else:
+                values, heads = selected, self.heads
+            maps.append({"layer": layer, "heads": heads, "values": array_payload(values, encoding)})
+        return maps
 
 
 def token_payload(encoded: Encoded) -> list[dict[str, Any]]:
@@ -91,11 +92,14 @@ async def encode(
 ) -> JSONResponse:
     info = service.info
     service.validate_dimensions(body.dimensions)
-    options = replace(
-        body.options(),
-        token_embeddings=body.token_embeddings,
-        **attention_options(body.attention, info),
-    )
+    attention = AttentionSelection.resolve(body.attention, info) if body.attention else None
+    options = replace(body.options(), token_embeddings=body.token_embeddings)
+    if attention is not None:
+        options = replace(
+            options,
+            attention_layers=attention.layers,
+            attention_maps_per_layer=1 if attention.mean else len(attention.heads),
+        )
     result = await service.encode(body.inputs_list(), options, disconnected)
     vectors = pooled_vectors(result, body.normalize, body.dimensions) if body.pooled else None
     data = []
@@ -107,13 +111,8 @@ async def encode(
             entry["token_embeddings"] = array_payload(item.token_embeddings, body.encoding)
         if body.tokens:
             entry["tokens"] = token_payload(encoded)
-        if body.attention is not None:
-            entry["attention"] = attention_payload(item, body.attention, info, body.encoding)
+        if attention is not None:
+            entry["attention"] = attention.payload(item, body.encoding)
         data.append(entry)
-    tokens = result.token_count
-    content = {
-        "model": info.model_id,
-        "data": data,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
+    content = {"model": info.model_id, "data": data, "usage": usage_payload(result)}
     return JSONResponse(content, headers=timing_headers(result))

@@ -5,9 +5,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from app.dependencies import DisconnectDep, ServiceDep, require_api_key
-from app.responses import JSONResponse, base64_floats, timing_headers
+from app.responses import (
+    JSONResponse,
+    base64_floats,
+    pooled_vectors,
+    timing_headers,
+    usage_payload,
+)
 from app.routes.errors import error_responses
-from app.routes.tei import pooled_vectors
 from app.schemas import OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
 from app.service import EncodeOptions
 
@@ -35,11 +40,10 @@ async def create_embeddings(
         }
         for index, vector in enumerate(vectors)
     ]
-    tokens = result.token_count
     content = {
         "object": "list",
         "data": data,
         "model": service.info.model_id,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "usage": usage_payload(result),
     }
     return JSONResponse(content, headers=timing_headers(result))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Depends, Request
@@ -18,7 +19,9 @@ from app.schemas import ErrorResponse, InfoResponse, StatusResponse
 router = APIRouter(tags=["operations"])
 
 
+@functools.cache
 def package_version() -> str:
+    """Read from the installed metadata once, not on every /info call."""
     try:
         return version("embedding-server")
     except PackageNotFoundError:
@@ -84,8 +87,6 @@ async def live() -> JSONResponse:
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
-async def metrics(request: Request, service: ServiceDep) -> Response:
+async def metrics(request: Request) -> Response:
     registry: Metrics = request.app.state.metrics
-    if service.batcher is not None:
-        registry.queue_depth.set(service.batcher.depth)
     return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)

@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 from fastapi import APIRouter, Depends
 
 from app.dependencies import DisconnectDep, ServiceDep, require_api_key
-from app.responses import JSONResponse, timing_headers
+from app.responses import JSONResponse, pooled_vectors, timing_headers
 from app.routes.errors import error_responses
 from app.schemas import EmbedAllRequest, EmbedRequest, SimpleToken, TokenizeRequest
-from app.service import EncodeResult
-from model import finalize
 
 router = APIRouter(
     tags=["text-embeddings-inference"],
     dependencies=[Depends(require_api_key)],
     responses=error_responses(),
 )
-
-
-def pooled_vectors(result: EncodeResult, normalize: bool, dimensions: int | None) -> np.ndarray:
-    """(N, D') float32: truncated to `dimensions`, then normalised if asked."""
-    stacked = torch.from_numpy(np.stack([item.pooled for item in result.items]))
-    # orjson serialises only C-contiguous arrays; a cut without normalising is a view.
-    return np.ascontiguousarray(finalize(stacked, normalize, dimensions).numpy())
 
 
 @router.post("/embed", response_model=list[list[float]], summary="Pooled embeddings")
