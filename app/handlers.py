@@ -39,14 +39,21 @@ def error_body(path: str, error: ServiceError, request_id: str | None = None) ->
     return {"error": message, "error_type": error.error_type}
 
 
-def error_response(request: Request, error: ServiceError) -> JSONResponse:
-    metrics: Metrics = request.app.state.metrics
+def render_error(
+    metrics: Metrics, path: str, error: ServiceError, request_id: str | None
+) -> JSONResponse:
+    """Count the failure and answer it; only a 500 shows the request id to look up in the log."""
     metrics.failures.labels(error.error_type).inc()
     headers = (
         {"Retry-After": str(error.retry_after)} if isinstance(error, OverloadedError) else None
     )
-    request_id = request.scope.get("state", {}).get("request_id") if error.status == 500 else None
-    return JSONResponse(error_body(request.url.path, error, request_id), error.status, headers)
+    shown_id = request_id if error.status == 500 else None
+    return JSONResponse(error_body(path, error, shown_id), error.status, headers)
+
+
+def error_response(request: Request, error: ServiceError) -> JSONResponse:
+    request_id = request.scope.get("state", {}).get("request_id")
+    return render_error(request.app.state.metrics, request.url.path, error, request_id)
 
 
 async def on_service_error(request: Request, exc: Exception) -> JSONResponse:

@@ -11,9 +11,8 @@ from collections.abc import Container
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import PayloadTooLargeError, ServiceError
-from app.handlers import error_body
+from app.handlers import render_error
 from app.metrics import Metrics
-from app.responses import JSONResponse
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +71,7 @@ class ServiceMiddleware:
             error = PayloadTooLargeError(
                 f"the body is over the payload limit of {self.payload_limit} bytes"
             )
-            self.metrics.failures.labels(error.error_type).inc()
-            response = JSONResponse(error_body(path, error), error.status)
+            response = render_error(self.metrics, path, error, request_id)
             await response(scope, receive, send_with_id)
         except Exception:
             # Starlette's outermost handler would answer without our headers; answer here,
@@ -81,9 +79,7 @@ class ServiceMiddleware:
             log.exception("unexpected error, request id %s", request_id)
             if started_response:
                 raise
-            internal = ServiceError("internal error")
-            self.metrics.failures.labels(internal.error_type).inc()
-            response = JSONResponse(error_body(path, internal, request_id), internal.status)
+            response = render_error(self.metrics, path, ServiceError("internal error"), request_id)
             await response(scope, receive, send_with_id)
         finally:
             self.metrics.requests.labels(route, str(status)).inc()
