@@ -160,8 +160,8 @@ class Embedder:
         expected = {key: value.shape for key, value in network.state_dict().items()}
         network.load_state_dict(load_weights(folder, expected), strict=True, assign=True)
         network.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        limits = [layout.max_seq_length or config.max_positions, config.max_positions]
-        max_tokens = min(limits + ([max_input_tokens] if max_input_tokens else []))
+        ceiling = config.max_positions
+        max_tokens = min(layout.max_seq_length or ceiling, max_input_tokens or ceiling, ceiling)
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ConfigError(f"{tokenizer_file}: file not found")
