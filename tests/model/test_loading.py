@@ -164,3 +164,12 @@ def test_bad_device_and_dtype_are_named() -> None:
         Embedder.load(device="cpu", dtype="float8")
     with pytest.raises(ConfigError, match="device 'tpu'"):
         Embedder.load(device="tpu")
+
+
+def test_max_input_tokens_only_lowers_the_models_limit(tiny_checkpoint: Path) -> None:
+    lowered = Embedder.from_folder(tiny_checkpoint, CPU, torch.float32, max_input_tokens=10)
+    assert lowered.info.max_input_tokens == 10
+    [cut] = lowered.tokenize(["hello world " * 20])
+    assert len(cut.ids) == 10 and cut.truncated
+    raised = Embedder.from_folder(tiny_checkpoint, CPU, torch.float32, max_input_tokens=10_000)
+    assert raised.info.max_input_tokens == 48  # sentence_bert_config's max_seq_length
