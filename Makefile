@@ -33,4 +33,5 @@ test: dev lint
 
 bench:
 	$(BIN)/python -m bench.encoder
+	$(BIN)/python -m bench.layers
 	$(BIN)/python -m bench.server

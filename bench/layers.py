@@ -1,0 +1,116 @@
+"""The encoder's two CPU mechanisms, each forced on and off on the same batches.
+
+- Packing: position-wise layers on real tokens only, at several shares of padding
+  (this is what sets model.layers.PACKING_MIN_PADDING).
+- Feed-forward chunks of model.layers.FEED_FORWARD_CHUNK tokens against the whole batch.
+Usage: python -m bench.layers [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+from bench.encoder import make_texts
+from model import DEFAULT_MODEL_ID, Embedder, layers
+
+PADDING_SHARES = (0.05, 0.10, 0.20, 0.40, 0.60)
+
+
+def padded_batch(share: float, count: int = 64, longest: int = 120) -> list[list[int]]:
+    """Id lists whose padding, once padded to `longest`, is about `share` of the batch."""
+    rng = random.Random(0)
+    mean = (count * longest * (1 - share) - longest) / (count - 1)
+    spread = min(longest - mean, mean - 3)  # symmetric, so the mean (and the share) holds
+    lengths = [longest] + [
+        round(rng.uniform(mean - spread, mean + spread)) for _ in range(count - 1)
+    ]
+    return [
+        [101] + [2000 + (i * 7 + j) % 5000 for j in range(n - 2)] + [102]
+        for i, n in enumerate(lengths)
+    ]
+
+
+def padding_of(batch: list[list[int]]) -> float:
+    return 1 - sum(map(len, batch)) / (len(batch) * max(map(len, batch)))
+
+
+def best_interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    best = dict.fromkeys(runs, float("inf"))
+    for run in runs.values():
+        run()  # warm-up
+    for _ in range(repeats):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best
+
+
+def with_setting(name: str, value: float, run: Callable[[], object]) -> Callable[[], object]:
+    def wrapped() -> object:
+        saved = getattr(layers, name)
+        setattr(layers, name, value)
+        try:
+            return run()
+        finally:
+            setattr(layers, name, saved)
+
+    return wrapped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    embedder = Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype="float32")
+
+    print(f"packing, batch 64 up to 120 tokens, {args.threads} threads, best of {args.repeats}")
+    for share in PADDING_SHARES:
+        batch = padded_batch(share)
+        best = best_interleaved(
+            {
+                "packed": with_setting(
+                    "PACKING_MIN_PADDING", 0.0, functools.partial(embedder.forward, batch)
+                ),
+                "grid": with_setting(
+                    "PACKING_MIN_PADDING", 1.1, functools.partial(embedder.forward, batch)
+                ),
+            },
+            args.repeats,
+        )
+        print(
+            f"  padding {padding_of(batch):.2f}: packed {best['packed'] * 1000:.0f} ms, "
+            f"grid {best['grid'] * 1000:.0f} ms, speed-up {best['grid'] / best['packed']:.2f}"
+        )
+
+    print(
+        f"feed-forward in chunks of {layers.FEED_FORWARD_CHUNK} tokens against whole, "
+        "equal-length ~200-token inputs"
+    )
+    for count in (32, 128):
+        ids = [e.ids for e in embedder.tokenize(make_texts(190, count, count))]
+        best = best_interleaved(
+            {
+                "chunked": functools.partial(embedder.forward, ids),
+                "whole": with_setting(
+                    "FEED_FORWARD_CHUNK", 10**9, functools.partial(embedder.forward, ids)
+                ),
+            },
+            args.repeats,
+        )
+        print(
+            f"  batch {count}: chunked {best['chunked'] * 1000:.0f} ms, "
+            f"whole {best['whole'] * 1000:.0f} ms, speed-up {best['whole'] / best['chunked']:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
