@@ -35,3 +35,4 @@ bench:
 	$(BIN)/python -m bench.encoder
 	$(BIN)/python -m bench.layers
 	$(BIN)/python -m bench.server
+	$(BIN)/python -m bench.batch_wait

@@ -3,7 +3,7 @@
 1. Ceiling: this project's encoder in-process, inputs sorted by length, batches of 32.
 2. Server: the real server process on loopback, `--concurrency` clients each sending one
    short sentence per request (a bounded async client), every response checked.
-Usage: python -m bench.server [--concurrency 32] [--requests 3000] [--threads 2]
+Usage: python -m bench.server [--concurrency 32] [--requests 1500] [--rounds 3] [-- SERVER FLAGS]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def ceiling(sentences: list[str], threads: int, batch: int = 32) -> float:
     return len(ordered) / (time.perf_counter() - started)
 
 
-def start_server(port: int, threads: int) -> subprocess.Popen[bytes]:
+def start_server(port: int, threads: int, flags: list[str]) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
         "-m",
@@ -90,6 +90,7 @@ def start_server(port: int, threads: int) -> subprocess.Popen[bytes]:
         str(threads),
         "--log-level",
         "warning",
+        *flags,
     ]
     return subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -144,6 +145,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, help="measure a server already on this loopback port")
+    parser.add_argument(
+        "server_flags", nargs="*", help="after --, flags for the server: -- --batch-wait-ms 0"
+    )
     args = parser.parse_args()
 
     sentences = make_sentences(args.requests)
@@ -153,7 +157,7 @@ def main() -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        process = start_server(port, args.threads)
+        process = start_server(port, args.threads, args.server_flags)
     ceilings: list[float] = []
     results: list[LoadResult] = []
     try:
