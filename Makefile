@@ -1,12 +1,14 @@
 # Two entry points: `make serve` (install and serve the default model) and
-# `make test` (install the dev dependencies, lint, type-check and run the tests).
+# `make test` (install the dev and system dependencies, lint, type-check and run the tests).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 TORCH := torch==2.13.0
+# Debian packages the tests drive for real (installed when missing; needs root or sudo).
+APT_PACKAGES :=
 
-.PHONY: install serve dev lint test bench
+.PHONY: install serve dev system-deps lint test bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,12 +25,20 @@ serve: install
 dev: install
 	$(PIP) -c constraints.txt -e '.[dev]'
 
+system-deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
 lint:
 	$(BIN)/ruff check app model tests bench
 	$(BIN)/ruff format --check app model tests bench
 	$(BIN)/mypy
 
-test: dev lint
+test: dev system-deps lint
 	$(BIN)/python -m pytest
 
 bench:
