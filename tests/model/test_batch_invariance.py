@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import Embedder
+from model import AttentionSpec, Embedder, packing
+from tests.helpers import every_map, map_request
 
 TOLERANCE = 1e-5
 TEXTS = [
@@ -20,22 +21,27 @@ TEXTS = [
 def check_invariance(embedder: Embedder, texts: list[str]) -> None:
     encoded = embedder.tokenize(texts)
     ids = [e.ids for e in encoded]
-    layers = list(range(embedder.info.num_layers))
-    batch = embedder.forward(ids, token_embeddings=True, attention_layers=layers)
+    maps = every_map(embedder)
+    batch = embedder.forward(ids, token_embeddings=True, attention=maps)
     assert batch.token_embeddings is not None and batch.attentions is not None
     for row, sequence in enumerate(ids):
-        alone = embedder.forward([sequence], token_embeddings=True, attention_layers=layers)
+        alone = embedder.forward([sequence], token_embeddings=True, attention=maps)
         assert alone.token_embeddings is not None and alone.attentions is not None
         assert (alone.pooled[0] - batch.pooled[row]).abs().max() <= TOLERANCE
         assert batch.token_embeddings[row].shape == (len(sequence), embedder.info.dimensions)
         assert (alone.token_embeddings[0] - batch.token_embeddings[row]).abs().max() <= TOLERANCE
-        for layer in layers:
+        for layer in maps.layers:
             difference = alone.attentions[0][layer] - batch.attentions[row][layer]
             assert difference.abs().max() <= TOLERANCE
-    # The fast (SDPA) path, used when no maps are asked for, is batch-invariant too.
-    fast = embedder.forward(ids)
-    for row, sequence in enumerate(ids):
-        assert (embedder.forward([sequence]).pooled[0] - fast.pooled[row]).abs().max() <= TOLERANCE
+    # Without maps, and with the mean of some heads: the same vectors.
+    plain = embedder.forward(ids)
+    assert (plain.pooled - batch.pooled).abs().max() <= TOLERANCE
+    mean = embedder.forward(ids, attention=AttentionSpec((0,), (0, 1), mean=True))
+    assert mean.attentions is not None
+    for row, n in enumerate(len(sequence) for sequence in ids):
+        assert mean.attentions[row][0].shape == (n, n)
+        want = batch.attentions[row][0][:2].mean(dim=0)
+        assert (mean.attentions[row][0] - want).abs().max() <= TOLERANCE
 
 
 def test_tiny_model_batch_invariance(tiny_embedder: Embedder) -> None:
@@ -47,7 +53,9 @@ def test_real_model_batch_invariance(minilm: Embedder) -> None:
 
 
 def test_fully_padded_row_gives_no_nan(tiny_embedder: Embedder) -> None:
-    out = tiny_embedder.forward([[], [2, 40, 3]], token_embeddings=True, attention_layers=[0, 1])
+    out = tiny_embedder.forward(
+        [[], [2, 40, 3]], token_embeddings=True, attention=every_map(tiny_embedder)
+    )
     assert out.token_embeddings is not None and out.attentions is not None
     assert torch.isfinite(out.pooled).all()
     assert out.pooled[0].abs().max() == 0
@@ -59,20 +67,18 @@ def test_fully_padded_row_gives_no_nan(tiny_embedder: Embedder) -> None:
     ids = torch.tensor([[2, 40, 3], [2, 3, 0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     with torch.inference_mode():
-        _, maps = tiny_embedder.network(ids, mask, {1})
+        maps = tiny_embedder.network(ids, mask, None, map_request({1}, 4)).maps
     assert (maps[1][1, :, :, 2] == 0).all()
     assert torch.allclose(maps[1][1, :, :2].sum(-1), torch.ones(4, 2), atol=1e-6)
 
 
 def test_packed_and_grid_layouts_agree(minilm: Embedder, monkeypatch: pytest.MonkeyPatch) -> None:
     """Position-wise layers on packed real tokens give what the padded grid gives."""
-    from model import layers
-
     ids = [e.ids for e in minilm.tokenize(TEXTS)]
-    monkeypatch.setattr(layers, "PACKING_MIN_PADDING", 0.0)
-    packed = minilm.forward(ids, token_embeddings=True, attention_layers=[0])
-    monkeypatch.setattr(layers, "PACKING_MIN_PADDING", 1.1)
-    grid = minilm.forward(ids, token_embeddings=True, attention_layers=[0])
+    monkeypatch.setattr(packing, "PACKING_MIN_PADDING", 0.0)
+    packed = minilm.forward(ids, token_embeddings=True, attention=every_map(minilm, [0]))
+    monkeypatch.setattr(packing, "PACKING_MIN_PADDING", 1.1)
+    grid = minilm.forward(ids, token_embeddings=True, attention=every_map(minilm, [0]))
     assert packed.token_embeddings is not None and grid.token_embeddings is not None
     assert (packed.pooled - grid.pooled).abs().max() <= TOLERANCE
     for a, b in zip(packed.token_embeddings, grid.token_embeddings, strict=True):
@@ -85,11 +91,9 @@ def test_packed_and_grid_layouts_agree(minilm: Embedder, monkeypatch: pytest.Mon
 def test_chunked_feed_forward_matches_whole(
     tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from model import layers
-
     ids = [e.ids for e in tiny_embedder.tokenize(TEXTS)]
     whole = tiny_embedder.forward(ids, token_embeddings=True)
-    monkeypatch.setattr(layers, "FEED_FORWARD_CHUNK", 3)  # far fewer than the batch's tokens
+    monkeypatch.setattr(packing, "FEED_FORWARD_CHUNK", 3)  # far fewer than the batch's tokens
     chunked = tiny_embedder.forward(ids, token_embeddings=True)
     assert whole.token_embeddings is not None and chunked.token_embeddings is not None
     for a, b in zip(whole.token_embeddings, chunked.token_embeddings, strict=True):

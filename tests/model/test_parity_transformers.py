@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from model import Embedder
-from tests.helpers import TINY_CONFIG, write_sentence_transformers_files
+from tests.helpers import TINY_CONFIG, every_map, write_sentence_transformers_files
 
 TOLERANCE = 1e-5
 ARCHITECTURES = {
@@ -65,14 +65,14 @@ def test_hidden_states_and_attention_match_transformers(
     batch, ids, mask = padded_batch(reference.config.pad_token_id)
     with torch.no_grad():
         expected = reference(input_ids=ids, attention_mask=mask, output_attentions=True)
-    layers = list(range(ours.info.num_layers))
-    got = ours.forward(batch, token_embeddings=True, attention_layers=layers)
+    maps = every_map(ours)
+    got = ours.forward(batch, token_embeddings=True, attention=maps)
     assert got.token_embeddings is not None and got.attentions is not None
     for row, seq in enumerate(batch):
         n = len(seq)
         diff = (got.token_embeddings[row] - expected.last_hidden_state[row, :n]).abs().max()
         assert diff <= TOLERANCE, f"hidden states differ by {diff}"
-        for layer in layers:
+        for layer in maps.layers:
             want = expected.attentions[layer][row, :, :n, :n]
             diff = (got.attentions[row][layer] - want).abs().max()
             assert diff <= TOLERANCE, f"layer {layer} attention differs by {diff}"
@@ -84,7 +84,7 @@ def test_fast_path_matches_explicit_path(tmp_path: Path, model_type: str) -> Non
     ours = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32)
     batch, _, _ = padded_batch(ours.network.config.pad_token_id)
     fast = ours.forward(batch, token_embeddings=True)
-    explicit = ours.forward(batch, token_embeddings=True, attention_layers=[0, 1])
+    explicit = ours.forward(batch, token_embeddings=True, attention=every_map(ours))
     assert fast.token_embeddings is not None and explicit.token_embeddings is not None
     for a, b in zip(fast.token_embeddings, explicit.token_embeddings, strict=True):
         assert (a - b).abs().max() <= TOLERANCE

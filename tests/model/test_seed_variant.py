@@ -6,8 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from model.config import EncoderConfig
-from model.layers import EncoderBlock, EncoderStack, TransformerEncoder, sinusoidal_table
+from model.architectures.bert import (
+    BertConfig,
+    EncoderBlock,
+    EncoderStack,
+    TransformerEncoder,
+    sinusoidal_table,
+)
+from tests.helpers import map_request
 
 D_MODEL, HEADS, LAYERS, D_FF = 32, 4, 3, 64
 
@@ -35,7 +41,7 @@ def copy_into_torch(ours: EncoderStack, theirs: nn.TransformerEncoder) -> None:
 
 @pytest.mark.parametrize("norm_first", [True, False])
 def test_stack_matches_torch_transformer_encoder(norm_first: bool) -> None:
-    config = EncoderConfig.seed_variant(
+    config = BertConfig.seed_variant(
         vocab_size=50,
         d_model=D_MODEL,
         num_heads=HEADS,
@@ -71,7 +77,7 @@ def test_stack_matches_torch_transformer_encoder(norm_first: bool) -> None:
     with torch.no_grad():
         got, _ = ours.encoder(x, mask)
         expected = theirs(x, src_key_padding_mask=mask == 0)
-        explicit, maps = ours.encoder(x, mask, attention_layers={0, 1, 2})
+        explicit, maps = ours.encoder(x, mask, map_request({0, 1, 2}, HEADS))
     real = mask.bool()
     assert (got - expected)[real].abs().max() <= 1e-5
     assert (explicit - expected)[real].abs().max() <= 1e-5
@@ -79,12 +85,12 @@ def test_stack_matches_torch_transformer_encoder(norm_first: bool) -> None:
 
 
 def test_seed_embeddings_are_scaled_and_sinusoidal() -> None:
-    config = EncoderConfig.seed_variant(
+    config = BertConfig.seed_variant(
         vocab_size=50, d_model=D_MODEL, num_heads=HEADS, num_layers=1, d_ff=D_FF, max_len=40
     )
     ours = TransformerEncoder(config).eval()
     ids = torch.tensor([[3, 7, 9]])
-    got = ours.embeddings(ids, torch.ones_like(ids))
+    got = ours.embeddings(ids, torch.ones_like(ids), None)
     expected = (
         ours.embeddings.word_embeddings(ids) * D_MODEL**0.5 + sinusoidal_table(40, D_MODEL)[:3]
     )

@@ -1,0 +1,76 @@
+"""Scaled dot-product attention with a padding mask, written once for every architecture.
+
+Mask rule: `attention_mask` is (B, T) with 1 for a real token and 0 for padding. It hides
+padded *keys* and broadcasts as (B, 1, 1, T) over heads and queries. An architecture that
+restricts attention further (ModernBERT's sliding window) passes a narrower boolean mask that
+still broadcasts to (B, H, T, T); one that adds a position bias (MPNet) passes it as `bias`.
+
+The context always comes from `scaled_dot_product_attention`, so asking for attention maps
+never changes the hidden states. The maps are computed beside it, from the same scores, for
+the heads asked for only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def key_padding_mask(attention_mask: Tensor) -> Tensor:
+    """(B, T) 1/0 mask -> (B, 1, 1, T) bool, True where a key may be attended to."""
+    return attention_mask.bool()[:, None, None, :]
+
+
+@dataclass(frozen=True)
+class MapRequest:
+    """Which attention probabilities a forward pass keeps: these layers, these heads."""
+
+    layers: frozenset[int]
+    heads: tuple[int, ...]
+
+    def wants(self, layer: int) -> bool:
+        return layer in self.layers
+
+
+NO_MAPS = MapRequest(frozenset(), ())
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    allowed: Tensor,
+    *,
+    bias: Tensor | None = None,
+    scale: float | None = None,
+    map_heads: Sequence[int] | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """(B, H, T, hd) q, k, v -> (B, H, T, hd) context, and (B, h, T, T) probabilities of the
+    `map_heads` (h of them) when asked for.
+
+    `allowed` is a boolean mask broadcastable to (B, H, T, T); `bias` is added to the scores.
+    Probabilities of disallowed keys are exactly 0, and a row with no allowed key is all
+    zeros (never NaN), as the context of such a row is.
+    """
+    mask: Tensor = allowed
+    if bias is not None:
+        mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if map_heads is None:
+        return context, None
+    heads = list(map_heads)
+    factor = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+    scores = (q[:, heads] @ k[:, heads].transpose(-2, -1)).float() * factor  # (B, h, T, T)
+    if bias is not None:
+        scores = scores + (bias[:, heads] if bias.shape[1] > 1 else bias).float()
+    heads_allowed = allowed[:, heads] if allowed.shape[1] > 1 else allowed
+    scores = scores.masked_fill(~heads_allowed, torch.finfo(torch.float32).min)
+    # Softmax in float32 as the references do; zeroing disallowed keys afterwards makes a row
+    # with no allowed key all zeros instead of a uniform distribution.
+    probs = F.softmax(scores, dim=-1) * heads_allowed
+    return context, probs

@@ -1,0 +1,71 @@
+"""Choosing the device and the dtype at start-up, from what the hardware computes natively."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# CPU flags (as Linux lists them) of instructions that compute bfloat16 natively.
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' picks the GPU when there is one; anything else must be a valid torch device."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"device {device!r} is not a valid torch device") from exc
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r}: only cpu and cuda are supported")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for, but CUDA is not available")
+    return resolved
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags, read at run time (empty where /proc/cpuinfo does not exist)."""
+    try:
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def resolve_dtype(
+    dtype: str, device: torch.device, flags: frozenset[str] | None = None
+) -> DtypeChoice:
+    """'auto': float16 on CUDA; on the CPU bfloat16 where it is computed natively (AMX or
+    AVX-512 BF16; tests hold it to cosine >= 0.999 against float32), else float32."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        return DtypeChoice(DTYPES[dtype], "asked for")
+    if device.type == "cuda":
+        return DtypeChoice(torch.float16, "auto: CUDA computes float16 natively")
+    native = [flag for flag in BF16_FLAGS if flag in (cpu_flags() if flags is None else flags)]
+    if native:
+        return DtypeChoice(torch.bfloat16, f"auto: the CPU has {native[0]}")
+    return DtypeChoice(
+        torch.float32, "auto: the CPU has no native bfloat16 (amx_bf16, avx512_bf16)"
+    )
