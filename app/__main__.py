@@ -29,7 +29,7 @@ from app.main import create_app
 from app.service import EmbeddingService
 from app.settings import Settings
 from model import ModelError
-from model.embedder import resolve_device
+from model.device import resolve_device
 from model.resolve import resolve_model_dir
 
 log = logging.getLogger("app")

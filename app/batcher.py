@@ -1,25 +1,33 @@
-"""Dynamic batching: a bounded queue of inputs and one worker thread that runs forward passes.
+"""Dynamic batching: a queue bounded in work, and one worker thread that runs forward passes.
 
-A batch always holds the oldest waiting input (so long inputs never starve); it is filled from
-a window of the next-oldest inputs, closest in length first (to cut padding), while the padded
-cost `longest x count` stays within the token budget and the count within its limit.
+A request's inputs enter the queue together as one `Ticket`, or not at all: the queue admits
+them only while the work ahead (queued tokens x measured seconds per token) would still
+finish within the request timeout; past that a request gets a fast 429 whose Retry-After
+comes from the same estimate, instead of a slow timeout.
+
+A batch always holds the oldest waiting input (so long inputs never starve); it is filled
+from a window of the next-oldest inputs, closest in length first (to cut padding), while the
+padded cost `longest x count` stays within the token budget, the count within its limit,
+and, for inputs that want attention maps, the maps within their budget.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
-from app.errors import BackendError, OverloadedError
+from app.errors import BackendError, OverloadedError, ServiceError
 from app.metrics import Metrics
-from model import Embedder
+from model import AttentionSpec, BatchOutput, Embedder, Encoded, finish
 
 log = logging.getLogger(__name__)
 
@@ -28,29 +36,78 @@ FloatArray = npt.NDArray[np.float32]
 WINDOW_FACTOR = 4
 # Seconds without a new input after which the worker stops waiting for a fuller batch.
 QUIET_GAP = 0.002
+# Weight of the past in the seconds-per-token estimate, per batch.
+ESTIMATE_DECAY = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class Wants:
+    """What one input asks to get back."""
+
+    pooled: bool = True
+    normalize: bool = True
+    dimensions: int | None = None
+    token_embeddings: bool = False
+    attention: AttentionSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ItemResult:
-    """One input's raw outputs (pooled, not normalised) and how long it waited and ran."""
+    """One input's outputs, finished (cut and normalised as asked)."""
 
-    pooled: FloatArray  # (D,)
-    token_embeddings: FloatArray | None  # (T, D)
-    attentions: dict[int, FloatArray] | None  # layer -> (H, T, T)
-    queue_seconds: float
-    inference_seconds: float
+    embedding: FloatArray | None  # (D,)
+    token_embeddings: FloatArray | None  # (T, hidden)
+    attention: dict[int, FloatArray] | None  # layer -> (h, T, T), or (T, T) for a mean
 
 
 @dataclass(eq=False, slots=True)
 class WorkItem:
-    ids: list[int]
-    future: asyncio.Future[ItemResult]
-    token_embeddings: bool = False
-    attention_layers: frozenset[int] = frozenset()
-    enqueued_at: float = field(default_factory=time.perf_counter)
-    # Set from the event loop when nobody waits for the result any more (client gone,
-    # timeout); the worker then drops the item instead of running it.
-    abandoned: bool = False
+    encoded: Encoded
+    ticket: Ticket
+    row: int  # the input's position in its request
+
+    @property
+    def length(self) -> int:
+        return len(self.encoded.ids)
+
+
+class Ticket:
+    """One request's inputs: resolved once, on the event loop, when the last one is done."""
+
+    __slots__ = (
+        "abandoned",
+        "enqueued_at",
+        "future",
+        "inference_seconds",
+        "items",
+        "queue_seconds",
+        "remaining",
+        "results",
+        "tokens",
+        "wants",
+    )
+
+    def __init__(
+        self,
+        encoded: Sequence[Encoded],
+        wants: Wants,
+        future: asyncio.Future[list[ItemResult]],
+    ) -> None:
+        self.wants = wants
+        self.future = future
+        self.items = [WorkItem(e, self, row) for row, e in enumerate(encoded)]
+        self.results: list[ItemResult | None] = [None] * len(self.items)
+        self.remaining = len(self.items)
+        self.tokens = sum(item.length for item in self.items)
+        self.enqueued_at = time.perf_counter()
+        self.queue_seconds = 0.0
+        self.inference_seconds = 0.0
+        # Set from the event loop when nobody waits for the result any more (client gone,
+        # timeout); the worker then drops the inputs instead of running them.
+        self.abandoned = False
+
+
+Delivery = tuple[asyncio.Future[list[ItemResult]], list[ItemResult] | ServiceError]
 
 
 class Batcher:
@@ -61,22 +118,32 @@ class Batcher:
         *,
         max_batch_tokens: int,
         max_batch_inputs: int,
-        max_queued_inputs: int,
+        max_attention_values: int,
+        max_wait: float,
         batch_wait: float = 0.0,
+        seconds_per_token: float = 1e-3,
     ) -> None:
         self.embedder = embedder
         self.metrics = metrics
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_inputs = max_batch_inputs
-        self.max_queued_inputs = max_queued_inputs
+        self.max_attention_values = max_attention_values
+        self.max_wait = max_wait
         self.batch_wait = batch_wait
         self._queue: list[WorkItem] = []
+        self._queued_tokens = 0
+        self._running_tokens = 0
         self._condition = threading.Condition()
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="embed-batcher", daemon=True)
-        self._seconds_per_batch = 0.1  # running estimate, for Retry-After
+        # Decayed sums of seconds and tokens over recent batches: their ratio estimates the
+        # seconds one more queued token costs (big batches weigh most, as under load).
+        self._seconds = seconds_per_token * 1000
+        self._tokens = 1000.0
+        self.crashed: BaseException | None = None
 
+    # State ----------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -85,38 +152,71 @@ class Batcher:
     def depth(self) -> int:
         return len(self._queue)
 
+    @property
+    def seconds_per_token(self) -> float:
+        return self._seconds / self._tokens
+
+    def estimated_wait(self, extra_tokens: int = 0) -> float:
+        """Seconds until `extra_tokens` more would be done, at the recent pace."""
+        backlog = self._queued_tokens + self._running_tokens + extra_tokens
+        return backlog * self.seconds_per_token
+
+    # Lifecycle ------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
         with self._condition:
             self._stopping = True
             self._condition.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def submit(self, items: Sequence[WorkItem]) -> None:
-        """Queue all of a request's inputs, or none of them (429) when they do not fit."""
+    # Admission (event loop) -----------------------------------------------------------
+    def submit(self, ticket: Ticket) -> None:
+        """Queue all of a request's inputs, or none of them (429) when the work ahead would
+        not finish within `max_wait`. An empty queue takes any request."""
         with self._condition:
-            if len(self._queue) + len(items) > self.max_queued_inputs:
-                batches_ahead = len(self._queue) / self.max_batch_inputs + 1
-                retry_after = max(1, round(batches_ahead * self._seconds_per_batch))
+            if self.crashed is not None:
+                raise BackendError("the batch worker has stopped")
+            busy = self._queued_tokens + self._running_tokens > 0
+            wait = self.estimated_wait(ticket.tokens)
+            if busy and wait > self.max_wait:
+                retry_after = max(1, math.ceil(wait - self.max_wait))
                 raise OverloadedError(
-                    f"the queue holds {len(self._queue)} inputs (limit "
-                    f"{self.max_queued_inputs}); retry in {retry_after} s",
+                    f"the queue holds about {self.estimated_wait():.1f} s of work; with this "
+                    f"request's {ticket.tokens} tokens it would not finish within "
+                    f"{self.max_wait:g} s; retry in {retry_after} s",
                     retry_after=retry_after,
                 )
-            self._queue.extend(items)
-            self.metrics.queue_depth.set(len(self._queue))
+            self._queue.extend(ticket.items)
+            self._queued_tokens += ticket.tokens
+            self._set_gauges()
             self._condition.notify()
 
+    def _set_gauges(self) -> None:
+        self.metrics.queue_depth.set(len(self._queue))
+        self.metrics.queue_tokens.set(self._queued_tokens)
+
+    # Worker thread --------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            batch = self._next_batch()
-            if batch is None:
-                return
-            self._execute(batch)
+        try:
+            while True:
+                batch = self._next_batch()
+                if batch is None:
+                    return
+                self._execute(batch)
+        except BaseException as exc:
+            # Not a forward-pass failure (those are handled per batch): the worker itself
+            # broke. Say so loudly, fail what waits, and let liveness report it.
+            log.critical("the batch worker stopped", exc_info=exc)
+            self.crashed = exc
+            with self._condition:
+                orphans, self._queue = self._queue, []
+                self._queued_tokens = 0
+            self._fail({item.ticket for item in orphans}, "the batch worker has stopped")
+            raise
 
     def _next_batch(self) -> list[WorkItem] | None:
         with self._condition:
@@ -126,7 +226,7 @@ class Batcher:
                     continue
                 self._wait_for_fuller_batch()
                 # Dropped only now: an input can be abandoned during the wait too.
-                self._queue = [item for item in self._queue if not item.abandoned]
+                self._drop_abandoned()
                 if self._queue:
                     break
             if self._stopping:
@@ -134,8 +234,17 @@ class Batcher:
             batch = self._choose(self._queue[: self.max_batch_inputs * WINDOW_FACTOR])
             chosen = {id(item) for item in batch}
             self._queue = [item for item in self._queue if id(item) not in chosen]
-            self.metrics.queue_depth.set(len(self._queue))
+            tokens = sum(item.length for item in batch)
+            self._queued_tokens -= tokens
+            self._running_tokens = tokens
+            self._set_gauges()
             return batch
+
+    def _drop_abandoned(self) -> None:
+        kept = [item for item in self._queue if not item.ticket.abandoned]
+        if len(kept) != len(self._queue):
+            self._queued_tokens = sum(item.length for item in kept)
+            self._queue = kept
 
     def _wait_for_fuller_batch(self) -> None:
         """Clients answered a moment ago come back within milliseconds: while inputs keep
@@ -153,74 +262,131 @@ class Batcher:
 
     def _choose(self, window: list[WorkItem]) -> list[WorkItem]:
         oldest = window[0]
-        # Attention maps take the explicit attention path, so such inputs run only with
-        # inputs that ask for the same layers.
+        spec = oldest.ticket.wants.attention
+        # Inputs that want maps run only with inputs that want the same maps.
         similar = sorted(
-            (item for item in window[1:] if item.attention_layers == oldest.attention_layers),
-            key=lambda item: abs(len(item.ids) - len(oldest.ids)),
+            (item for item in window[1:] if item.ticket.wants.attention == spec),
+            key=lambda item: abs(item.length - oldest.length),
         )
-        batch, longest = [oldest], len(oldest.ids)
+        batch, longest = [oldest], oldest.length
         for item in similar:
             if len(batch) == self.max_batch_inputs:
                 break
-            width = max(longest, len(item.ids))
-            if width * (len(batch) + 1) <= self.max_batch_tokens:
-                batch.append(item)
-                longest = width
+            width = max(longest, item.length)
+            if width * (len(batch) + 1) > self.max_batch_tokens:
+                continue
+            if spec and _map_values(spec, width, len(batch) + 1) > self.max_attention_values:
+                continue
+            batch.append(item)
+            longest = width
         return batch
 
     def _execute(self, batch: list[WorkItem]) -> None:
-        lengths = [len(item.ids) for item in batch]
+        lengths = [item.length for item in batch]
         padded = max(lengths) * len(batch)
         self.metrics.batch_size.observe(len(batch))
         self.metrics.batch_tokens.observe(padded)
         self.metrics.padding_ratio.observe(1 - sum(lengths) / padded if padded else 0.0)
         started = time.perf_counter()
         try:
-            output = self.embedder.forward(
-                [item.ids for item in batch],
-                token_embeddings=any(item.token_embeddings for item in batch),
-                attention_layers=batch[0].attention_layers,
-            )
+            output = self._forward(batch)
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            self._split_after_oom(batch, exc)
+            return
         except Exception:
             # One failing batch fails its own requests only; the worker carries on.
             log.exception("forward pass failed for a batch of %d inputs", len(batch))
-            error = BackendError("the model failed on the batch holding this input")
-            self._deliver([(item.future, error) for item in batch])
+            self._fail({item.ticket for item in batch}, "the model failed on this input's batch")
             return
+        finally:
+            self._running_tokens = 0
         seconds = time.perf_counter() - started
-        self._seconds_per_batch = 0.8 * self._seconds_per_batch + 0.2 * seconds
+        self.record_pace(seconds, sum(lengths))
         self.metrics.inference_seconds.observe(seconds)
-        pooled = output.pooled.numpy()
-        deliveries: list[tuple[asyncio.Future[ItemResult], ItemResult | Exception]] = []
-        for row, item in enumerate(batch):
-            queued = started - item.enqueued_at
-            self.metrics.queue_seconds.observe(queued)
-            tokens = output.token_embeddings[row].numpy() if output.token_embeddings else None
-            maps = (
-                {layer: probs.numpy() for layer, probs in output.attentions[row].items()}
-                if output.attentions
-                else None
-            )
-            result = ItemResult(pooled[row], tokens, maps, queued, seconds)
-            deliveries.append((item.future, result))
-        self._deliver(deliveries)
+        self._deliver_finished(batch, output, started, seconds)
 
-    def _deliver(
-        self, deliveries: list[tuple[asyncio.Future[ItemResult], ItemResult | Exception]]
+    def record_pace(self, seconds: float, tokens: int) -> None:
+        self._seconds = ESTIMATE_DECAY * self._seconds + seconds
+        self._tokens = ESTIMATE_DECAY * self._tokens + max(tokens, 1)
+
+    def _forward(self, batch: list[WorkItem]) -> BatchOutput:
+        return self.embedder.forward(
+            [item.encoded for item in batch],
+            token_embeddings=any(item.ticket.wants.token_embeddings for item in batch),
+            attention=batch[0].ticket.wants.attention,
+        )
+
+    def _split_after_oom(self, batch: list[WorkItem], exc: BaseException) -> None:
+        """Out of memory: retry in halves, down to one input, which alone then fails."""
+        if len(batch) == 1:
+            log.error("out of memory on a single input of %d tokens", batch[0].length)
+            self._fail({batch[0].ticket}, "out of memory on this input alone")
+            return
+        log.warning("out of memory on a batch of %d inputs; retrying in halves", len(batch))
+        middle = len(batch) // 2
+        for half in (batch[:middle], batch[middle:]):
+            self._execute(half)
+
+    def _deliver_finished(
+        self, batch: list[WorkItem], output: BatchOutput, started: float, seconds: float
+    ) -> None:
+        pooled = output.pooled.numpy()
+        deliveries: list[Delivery] = []
+        for row, item in enumerate(batch):
+            ticket = item.ticket
+            if ticket.abandoned:  # failed, timed out or disconnected meanwhile
+                continue
+            wants = ticket.wants
+            queued = started - ticket.enqueued_at
+            self.metrics.queue_seconds.observe(queued)
+            ticket.queue_seconds = max(ticket.queue_seconds, queued)
+            ticket.inference_seconds = max(ticket.inference_seconds, seconds)
+            ticket.results[item.row] = ItemResult(
+                finish(pooled[row : row + 1], wants.normalize, wants.dimensions)[0]
+                if wants.pooled
+                else None,
+                output.token_embeddings[row].numpy()
+                if wants.token_embeddings and output.token_embeddings
+                else None,
+                {layer: maps.numpy() for layer, maps in output.attentions[row].items()}
+                if output.attentions
+                else None,
+            )
+            ticket.remaining -= 1
+            if ticket.remaining == 0:
+                deliveries.append((ticket.future, [r for r in ticket.results if r is not None]))
+        if deliveries:
+            self._call_on_loop(_resolve, deliveries)
+
+    def _fail(self, tickets: set[Ticket], message: str) -> None:
+        """Each request gets an error of its own (never one shared exception object)."""
+        deliveries: list[Delivery] = [(t.future, BackendError(message)) for t in tickets]
+        for ticket in tickets:
+            ticket.remaining = -1  # its other inputs, if still queued, are skipped
+            ticket.abandoned = True
+        if deliveries:
+            self._call_on_loop(_resolve, deliveries)
+
+    def _call_on_loop(
+        self, callback: Callable[[list[Delivery]], None], arg: list[Delivery]
     ) -> None:
         assert self._loop is not None, "start() sets the loop before the worker runs"
         try:
-            self._loop.call_soon_threadsafe(_resolve, deliveries)
+            self._loop.call_soon_threadsafe(callback, arg)
         except RuntimeError:  # the event loop closed during shutdown: nobody is waiting
-            log.warning("dropping %d results: the event loop is closed", len(deliveries))
+            log.warning("dropping %d results: the event loop is closed", len(arg))
 
 
-def _resolve(deliveries: list[tuple[asyncio.Future[ItemResult], ItemResult | Exception]]) -> None:
+def _map_values(spec: AttentionSpec, width: int, count: int) -> int:
+    """Attention probabilities a batch computes: every kept head, on the padded width."""
+    return count * len(spec.layers) * len(spec.heads) * width * width
+
+
+def _resolve(deliveries: list[Delivery]) -> None:
     for future, outcome in deliveries:
         if future.done():  # cancelled: the request stopped waiting
             continue
-        if isinstance(outcome, Exception):
+        if isinstance(outcome, ServiceError):
             future.set_exception(outcome)
         else:
             future.set_result(outcome)

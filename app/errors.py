@@ -4,12 +4,15 @@
      ├── EmptyInputError        400  no input, or an empty string
      ├── MalformedRequestError  400  body is not valid JSON / UTF-8
      ├── UnauthorizedError      401  missing or wrong API key
+     ├── SlowBodyError          408  the body did not arrive within body_timeout
      ├── PayloadTooLargeError   413  body over the payload limit, or too many inputs
      ├── UnsupportedMediaError  415  body is not application/json
      ├── ValidationFailedError  422  a field is invalid (too long, bad dimensions, ...)
      ├── OverloadedError        429  the queue is full (with Retry-After)
-     ├── BackendError           500  the forward pass failed for this batch
-     ├── UnavailableError       503  not ready, draining, or timed out waiting in the queue
+     ├── ClientDisconnectedError 499 the client went away (logged and counted, never sent)
+     ├── BackendError           500  the forward pass failed for this input
+     ├── UnavailableError       503  not ready or draining: nothing ran, safe to retry elsewhere
+     ├── DeadlineError          504  no result within request_timeout: work may have run
      └── FrameworkError         4xx  what the framework rejects: unknown route, wrong method, ...
 Anything else is a 500 with a request id; its traceback goes to the log only.
 """
@@ -48,6 +51,12 @@ class UnauthorizedError(ServiceError):
     status, error_type, openai_type = 401, "Unauthorized", "authentication_error"
 
 
+class SlowBodyError(ServiceError):
+    """The client sent its body too slowly."""
+
+    status, error_type, openai_type = 408, "BodyTimeout", "invalid_request_error"
+
+
 class PayloadTooLargeError(ServiceError):
     """The body or the number of inputs is over its limit."""
 
@@ -76,16 +85,29 @@ class OverloadedError(ServiceError):
         self.retry_after = retry_after
 
 
+class ClientDisconnectedError(ServiceError):
+    """The client went away before its results were ready (nginx's 499)."""
+
+    status, error_type = 499, "ClientDisconnected"
+
+
 class BackendError(ServiceError):
-    """The forward pass failed for the batch this request was in."""
+    """The forward pass failed for an input of this request."""
 
     status, error_type, openai_type = 500, "Backend", "server_error"
 
 
 class UnavailableError(ServiceError):
-    """The service is not ready, is draining, or could not answer in time."""
+    """The service is not ready or is draining; nothing of the request ran."""
 
     status, error_type, openai_type = 503, "Unhealthy", "server_error"
+
+
+class DeadlineError(ServiceError):
+    """No result within the request timeout. Not a 503: a load balancer that retries 503s
+    elsewhere must not run work again that may already have run."""
+
+    status, error_type, openai_type = 504, "Timeout", "server_error"
 
 
 class FrameworkError(ServiceError):

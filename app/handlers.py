@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from app.errors import (
+    EmptyInputError,
     FrameworkError,
     MalformedRequestError,
     OverloadedError,
@@ -72,9 +73,21 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         )
     elif any(e.get("type") == "json_invalid" for e in errors):
         error = MalformedRequestError("the body is not valid JSON")
+    elif _is_empty_input(errors):
+        error = EmptyInputError("an input is empty, or the request holds no input")
     else:
         error = _first_problem(errors)
     return error_response(request, error)
+
+
+def _is_empty_input(errors: Sequence[Any]) -> bool:
+    """An empty string or list where inputs go (the schema says minLength 1): a 400, as
+    OpenAI answers it, rather than a 422."""
+    return any(
+        e.get("type") in ("string_too_short", "too_short")
+        and [part for part in e.get("loc", ()) if part != "body"][:1] in (["inputs"], ["input"])
+        for e in errors
+    )
 
 
 def _first_problem(errors: Sequence[Any]) -> ValidationFailedError:
@@ -90,7 +103,10 @@ def _first_problem(errors: Sequence[Any]) -> ValidationFailedError:
 async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     error_type = _HTTP_TYPES.get(exc.status_code, "Malformed")
-    return error_response(request, FrameworkError(str(exc.detail), exc.status_code, error_type))
+    response = error_response(request, FrameworkError(str(exc.detail), exc.status_code, error_type))
+    # 405 carries the methods that are allowed (Allow), as HTTP requires.
+    response.headers.update(exc.headers or {})
+    return response
 
 
 def install_handlers(app: FastAPI) -> None:

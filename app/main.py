@@ -20,6 +20,11 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# Paths anyone may call when an API key is set: probes, metrics and the API's own docs.
+PUBLIC_PATHS = frozenset(
+    {"/health", "/live", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+)
+
 
 def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
     """`on_fatal` is told when the model cannot load, so the process can exit non-zero."""
@@ -65,7 +70,14 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
             allow_methods=["GET", "POST"],
             allow_headers=["*"],
         )
+    api_key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(
-        ServiceMiddleware, metrics=metrics, payload_limit=settings.payload_limit, routes=routes
+        ServiceMiddleware,
+        metrics=metrics,
+        payload_limit=settings.payload_limit,
+        body_timeout=settings.body_timeout,
+        routes=routes,
+        public=PUBLIC_PATHS,
+        api_key=api_key,
     )
     return app

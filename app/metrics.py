@@ -40,6 +40,9 @@ class Metrics:
         self.inputs = Counter("embed_inputs", "Inputs embedded.", registry=r)
         self.tokens = Counter("embed_tokens", "Tokens embedded (padding excluded).", registry=r)
         self.queue_depth = Gauge("embed_queue_depth", "Inputs waiting for the model.", registry=r)
+        self.queue_tokens = Gauge(
+            "embed_queue_tokens", "Tokens of the inputs waiting for the model.", registry=r
+        )
         self.batch_size = Histogram(
             "embed_batch_size", "Inputs per forward pass.", buckets=BATCH_SIZE_BUCKETS, registry=r
         )

@@ -1,7 +1,15 @@
-"""Pure ASGI middleware (cheaper than BaseHTTPMiddleware): request id, body limit, metrics."""
+"""Pure ASGI middleware (cheaper than BaseHTTPMiddleware), in front of every route.
+
+It gives each request an id, counts it in the metrics, and protects the workers from
+careless or hostile clients before any route runs: a missing or wrong API key is refused
+before the body is read, a body over the payload limit as soon as that is known, and a
+body that trickles in slower than `body_timeout` gets a 408.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import itertools
 import logging
 import time
@@ -10,25 +18,32 @@ from collections.abc import Container
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import PayloadTooLargeError, ServiceError
+from app.errors import PayloadTooLargeError, ServiceError, SlowBodyError, UnauthorizedError
 from app.handlers import render_error
 from app.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 
-class BodyTooLargeError(Exception):
-    """The body is over the payload limit."""
-
-
 class ServiceMiddleware:
     def __init__(
-        self, app: ASGIApp, *, metrics: Metrics, payload_limit: int, routes: Container[str]
+        self,
+        app: ASGIApp,
+        *,
+        metrics: Metrics,
+        payload_limit: int,
+        body_timeout: float,
+        routes: Container[str],
+        public: Container[str],
+        api_key: str | None,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.payload_limit = payload_limit
+        self.body_timeout = body_timeout
         self.routes = routes
+        self.public = public
+        self.api_key = api_key.encode() if api_key else None
         # Unique per process start, then a counter: cheaper than a uuid4 per request.
         self._id_prefix = uuid.uuid4().hex[:12]
         self._id_counter = itertools.count(1)
@@ -61,16 +76,11 @@ class ServiceMiddleware:
             await send(message)
 
         try:
-            declared = headers.get(b"content-length")
-            if declared is not None and int(declared or 0) > self.payload_limit:
-                raise BodyTooLargeError
-            if declared is None and scope["method"] in ("POST", "PUT", "PATCH"):
-                receive = await self._buffered(receive)
+            self._check_key(path, headers)
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                receive = await self._read_body(headers, receive)
             await self.app(scope, receive, send_with_id)
-        except BodyTooLargeError:
-            error = PayloadTooLargeError(
-                f"the body is over the payload limit of {self.payload_limit} bytes"
-            )
+        except ServiceError as error:  # raised here, before any route ran
             response = render_error(self.metrics, path, error, request_id)
             await response(scope, receive, send_with_id)
         except Exception:
@@ -86,18 +96,36 @@ class ServiceMiddleware:
             if route != "other":
                 self.metrics.request_seconds.observe(time.perf_counter() - started)
 
-    async def _buffered(self, receive: Receive) -> Receive:
-        """Read a chunked body up to the limit, then hand it on as one message."""
+    def _check_key(self, path: str, headers: dict[bytes, bytes]) -> None:
+        """Inference and /info need `Authorization: Bearer <key>` when an API key is set."""
+        if self.api_key is None or path in self.public:
+            return
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.api_key):
+            raise UnauthorizedError("missing or wrong API key (send 'Authorization: Bearer <key>')")
+
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> Receive:
+        """Read the whole body, within the payload limit and the body timeout, then hand it
+        on as one message."""
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.payload_limit:
+            raise self._too_large()
         body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            body += message.get("body", b"")
-            if len(body) > self.payload_limit:
-                raise BodyTooLargeError
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        break
+                    body += message.get("body", b"")
+                    if len(body) > self.payload_limit:
+                        raise self._too_large()
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError as exc:
+            raise SlowBodyError(
+                f"the body did not arrive within the body timeout of {self.body_timeout:g} s"
+            ) from exc
         replayed = False
 
         async def replay() -> Message:
@@ -108,3 +136,8 @@ class ServiceMiddleware:
             return {"type": "http.request", "body": bytes(body), "more_body": False}
 
         return replay
+
+    def _too_large(self) -> PayloadTooLargeError:
+        return PayloadTooLargeError(
+            f"the body is over the payload limit of {self.payload_limit} bytes"
+        )

@@ -1,20 +1,27 @@
-"""JSON rendering straight from numpy arrays (no Python float per value) and base64 arrays."""
+"""JSON rendering straight from numpy arrays (no Python float per value), and base64 arrays.
+
+Large bodies (per-token vectors, attention maps) are rendered in a worker thread, so that
+the event loop keeps answering /live and small requests meanwhile.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 import orjson
-import torch
 from starlette.responses import Response
 
-from app.batcher import FloatArray
 from app.service import EncodeResult
-from model import finalize
 
 Encoding = Literal["float", "base64"]
+FloatArray = npt.NDArray[np.float32]
+# Numbers past which a body is rendered off the event loop (about 1 ms of orjson's time).
+OFF_LOOP_VALUES = 100_000
 
 
 class JSONResponse(Response):
@@ -22,6 +29,21 @@ class JSONResponse(Response):
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+async def render(
+    build: Callable[[], Any], *, values: int, headers: Mapping[str, str] | None = None
+) -> Response:
+    """A JSON response from `build()`; `values` (how many numbers the body holds) decides
+    whether building and rendering run on the event loop or in a worker thread."""
+    if values <= OFF_LOOP_VALUES:
+        return JSONResponse(build(), headers=headers)
+
+    def dumps() -> bytes:
+        return orjson.dumps(build(), option=orjson.OPT_SERIALIZE_NUMPY)
+
+    body = await asyncio.to_thread(dumps)
+    return Response(body, media_type=JSONResponse.media_type, headers=headers)
 
 
 def base64_floats(array: FloatArray) -> str:
@@ -36,11 +58,9 @@ def array_payload(array: FloatArray, encoding: Encoding) -> Any:
     return {"dtype": "float32", "shape": list(array.shape), "data": base64_floats(array)}
 
 
-def pooled_vectors(result: EncodeResult, normalize: bool, dimensions: int | None) -> FloatArray:
-    """(N, D') float32: truncated to `dimensions`, then normalised if asked."""
-    stacked = torch.from_numpy(np.stack([item.pooled for item in result.items]))
-    # orjson serialises only C-contiguous arrays; a cut without normalising is a view.
-    return np.ascontiguousarray(finalize(stacked, normalize, dimensions).numpy())
+def embeddings(result: EncodeResult) -> FloatArray:
+    """(N, D') float32, C-contiguous: the finished pooled vectors."""
+    return np.stack([item.embedding for item in result.items if item.embedding is not None])
 
 
 def usage_payload(result: EncodeResult) -> dict[str, int]:

@@ -6,17 +6,22 @@ Responses are documented here but rendered by orjson straight from numpy arrays.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from app.service import EncodeOptions, RawInput
+from app.params import AttentionQuery, EncodeOptions, RawInput
 from model import Direction
 
-Inputs = StrictStr | list[StrictInt] | list[StrictStr | list[StrictInt]]
+# Empty strings and id lists are answered with 400 (Empty), as OpenAI does.
+Text = Annotated[StrictStr, Field(min_length=1)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Inputs = Text | TokenIds | Annotated[list[Text | TokenIds], Field(min_length=1)]
 INPUTS_DESCRIPTION = (
     "A string, a list of token ids, or a list mixing strings and lists of token ids."
 )
+Dimensions = Annotated[StrictInt, Field(ge=1)]
 
 
 class Request(BaseModel):
@@ -41,7 +46,11 @@ class TruncatingRequest(Request):
         "right", description="Which end of a long input is cut."
     )
     prompt_name: StrictStr | None = Field(
-        None, description="A prompt from the model's sentence-transformers config, prepended."
+        None,
+        description=(
+            "A prompt from the model's sentence-transformers config, prepended; null: the "
+            "model's default prompt, if it has one; an empty string: no prompt."
+        ),
     )
 
     def inputs_list(self) -> list[RawInput]:
@@ -58,14 +67,25 @@ class TruncatingRequest(Request):
 # TEI ------------------------------------------------------------------------------------
 class EmbedRequest(TruncatingRequest):
     normalize: StrictBool = Field(True, description="L2-normalise each vector.")
-    dimensions: StrictInt | None = Field(
+    dimensions: Dimensions | None = Field(
         None, description="Keep the first N dimensions (Matryoshka), then normalise."
     )
+
+    def options(self) -> EncodeOptions:
+        return EncodeOptions(
+            self.truncate,
+            self.direction,
+            self.prompt_name,
+            normalize=self.normalize,
+            dimensions=self.dimensions,
+        )
 
 
 class EmbedAllRequest(TruncatingRequest):
     def options(self) -> EncodeOptions:
-        return EncodeOptions(self.truncate, self.direction, self.prompt_name, token_embeddings=True)
+        return EncodeOptions(
+            self.truncate, self.direction, self.prompt_name, pooled=False, token_embeddings=True
+        )
 
 
 class TokenizeRequest(TruncatingRequest):
@@ -89,11 +109,15 @@ class OpenAIEmbeddingRequest(Request):
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: little-endian float32 bytes."
     )
-    dimensions: StrictInt | None = Field(None, description="Keep the first N dimensions.")
+    dimensions: Dimensions | None = Field(None, description="Keep the first N dimensions.")
     user: StrictStr | None = Field(None, description="Accepted and ignored.")
 
     def inputs_list(self) -> list[RawInput]:
         return as_list(self.input)
+
+    def options(self) -> EncodeOptions:
+        """OpenAI's vectors are always normalised; the model's default prompt applies."""
+        return EncodeOptions(dimensions=self.dimensions)
 
 
 class OpenAIEmbedding(BaseModel):
@@ -122,6 +146,13 @@ class AttentionRequest(Request):
     heads: list[StrictInt] | None = Field(None, description="Head indices; null: every head.")
     reduce: Literal["none", "mean"] = Field("none", description="mean: average over the heads.")
 
+    def query(self) -> AttentionQuery:
+        return AttentionQuery(
+            tuple(self.layers) if self.layers is not None else None,
+            tuple(self.heads) if self.heads is not None else None,
+            self.reduce == "mean",
+        )
+
 
 class EncodeRequest(TruncatingRequest):
     pooled: StrictBool = Field(True, description="Return the pooled vector.")
@@ -129,10 +160,22 @@ class EncodeRequest(TruncatingRequest):
     tokens: StrictBool = Field(True, description="Return the tokens with ids and offsets.")
     attention: AttentionRequest | None = Field(None, description="Return attention maps.")
     normalize: StrictBool = Field(True, description="L2-normalise the pooled vector.")
-    dimensions: StrictInt | None = Field(None, description="Keep the first N pooled dimensions.")
+    dimensions: Dimensions | None = Field(None, description="Keep the first N pooled dimensions.")
     encoding: Literal["float", "base64"] = Field(
         "float", description="Arrays as JSON floats, or base64 little-endian float32 with a shape."
     )
+
+    def options(self) -> EncodeOptions:
+        return EncodeOptions(
+            self.truncate,
+            self.direction,
+            self.prompt_name,
+            normalize=self.normalize,
+            dimensions=self.dimensions,
+            pooled=self.pooled,
+            token_embeddings=self.token_embeddings,
+            attention=self.attention.query() if self.attention else None,
+        )
 
 
 class Base64Array(BaseModel):
@@ -178,24 +221,34 @@ class Limits(BaseModel):
     max_batch_tokens: int
     max_batch_inputs: int
     max_inputs_per_request: int
-    max_queued_inputs: int
+    max_input_chars: int
+    max_request_tokens: int
+    max_token_values: int
     max_attention_values: int
     payload_limit: int
     request_timeout: float
+    body_timeout: float
 
 
 class InfoResponse(BaseModel):
     model_id: str
     model_type: str
-    dimensions: int
+    dimensions: int = Field(description="Size of the pooled vectors (after any Dense layer).")
+    hidden_size: int = Field(description="Size of the per-token vectors.")
     max_input_tokens: int
-    pooling: str
+    pooling: list[str] = Field(description="Pooling modes, concatenated in this order.")
+    include_prompt: bool = Field(description="Whether prompt tokens are pooled.")
+    dense: list[str] = Field(description="Dense layers after the pooling: 'in -> out, act'.")
     normalize: bool = Field(description="Whether the model's own modules normalise.")
     dtype: str
+    dtype_reason: str = Field(description="Why this dtype: asked for, or what auto found.")
     device: str
     num_layers: int
     num_heads: int
     prompts: dict[str, str]
+    default_prompt_name: str | None
+    do_lower_case: bool
+    similarity_fn_name: str
     auto_truncate: bool
     limits: Limits
     version: str

@@ -1,4 +1,8 @@
-"""The serving layer: readiness and draining, tokenization off the event loop, the queue."""
+"""The serving layer: readiness and draining, request limits, tokenization, the queue.
+
+Routes call `encode` and `tokenize` and never touch the model. A request, once accepted,
+completes even while the server drains: nothing after admission checks readiness again.
+"""
 
 from __future__ import annotations
 
@@ -12,41 +16,32 @@ from typing import Any
 
 import torch
 
-from app.batcher import Batcher, ItemResult, WorkItem
+from app.batcher import Batcher, ItemResult, Ticket, Wants
 from app.errors import (
-    EmptyInputError,
-    PayloadTooLargeError,
-    ServiceError,
+    ClientDisconnectedError,
+    DeadlineError,
     UnavailableError,
     ValidationFailedError,
 )
+from app.limits import Limits
 from app.metrics import Metrics
+from app.params import EncodeOptions, RawInput
 from app.settings import Settings
-from model import Direction, Embedder, Encoded, InputError, ModelInfo
+from model import AttentionSpec, Embedder, Encoded, InputError, ModelInfo, PromptError
 
 log = logging.getLogger(__name__)
 
-RawInput = str | list[int]
 # Makes a coroutine that completes when the client goes away.
 DisconnectWatch = Callable[[], Coroutine[Any, Any, None]]
-WARM_UP_TEXTS = ["warm-up", "a longer warm-up sentence " * 8]
+# Requests with fewer characters than this are tokenized on the event loop: for a sentence,
+# the hop to a thread costs more than the tokenizing.
+INLINE_TOKENIZE_CHARS = 2048
 
 
-class ClientDisconnectedError(ServiceError):
-    """The client went away before its results were ready (nginx's 499)."""
-
-    status, error_type = 499, "ClientDisconnected"
-
-
-@dataclass(frozen=True, slots=True)
-class EncodeOptions:
-    truncate: bool | None = None
-    direction: Direction = "right"
-    prompt_name: str | None = None
-    token_embeddings: bool = False
-    attention_layers: frozenset[int] = frozenset()
-    # Values per layer and token pair that the response will hold (heads kept, or 1 for a mean).
-    attention_maps_per_layer: int = 0
+def warm_up_batch(embedder: Embedder) -> list[Encoded]:
+    """A batch shaped like real traffic, so that its timing seeds the queue's estimate."""
+    text = "a warm-up sentence of ordinary words and length " * 8
+    return embedder.tokenize([text] * 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +53,22 @@ class Timings:
 
 @dataclass(frozen=True, slots=True)
 class EncodeResult:
+    model: ModelInfo
     encoded: list[Encoded]
     items: list[ItemResult]
     timings: Timings
+    attention: AttentionSpec | None = None  # the maps computed, resolved against the model
 
     @property
     def token_count(self) -> int:
         return sum(len(e.ids) for e in self.encoded)
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    # The texts as the tokenizer saw them (with the prompt), for slicing by offsets.
+    texts: list[RawInput]
+    encoded: list[Encoded]
 
 
 class EmbeddingService:
@@ -73,6 +77,7 @@ class EmbeddingService:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.limits = Limits(settings)
         self.embedder: Embedder | None = None
         self.batcher: Batcher | None = None
         self.warmed_up = False
@@ -85,7 +90,7 @@ class EmbeddingService:
 
     # Lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        """Load the model, run a warm-up batch, then start the worker (all off the loop)."""
+        """Load the model, warm it up, then start the worker (all off the event loop)."""
         settings = self.settings
         if settings.threads:
             torch.set_num_threads(settings.threads)
@@ -98,7 +103,7 @@ class EmbeddingService:
                 allow_download=settings.allow_download,
                 max_input_tokens=settings.max_input_tokens,
             )
-            await asyncio.to_thread(self._warm_up, embedder)
+            seconds_per_token = await asyncio.to_thread(self._warm_up, embedder)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
@@ -110,17 +115,26 @@ class EmbeddingService:
             self.metrics,
             max_batch_tokens=settings.max_batch_tokens,
             max_batch_inputs=settings.max_batch_inputs,
-            max_queued_inputs=settings.max_queued_inputs,
+            max_attention_values=settings.max_attention_values,
+            max_wait=settings.request_timeout,
             batch_wait=settings.batch_wait_ms / 1000,
+            seconds_per_token=seconds_per_token,
         )
         self.batcher.start(asyncio.get_running_loop())
         self.warmed_up = True
-        log.info("ready: %s (%s, %s)", info.model_id, info.device, info.dtype)
+        log.info(
+            "ready: %s (%s, %s: %s)", info.model_id, info.device, info.dtype, info.dtype_reason
+        )
 
     @staticmethod
-    def _warm_up(embedder: Embedder) -> None:
-        encoded = embedder.tokenize(WARM_UP_TEXTS)
-        embedder.forward([e.ids for e in encoded], token_embeddings=True)
+    def _warm_up(embedder: Embedder) -> float:
+        """Run a batch twice (the first pays one-time costs); return the seconds per token of
+        the second."""
+        batch = warm_up_batch(embedder)
+        embedder.forward(batch, token_embeddings=True)
+        started = time.perf_counter()
+        embedder.forward(batch)
+        return (time.perf_counter() - started) / sum(len(e.ids) for e in batch)
 
     async def stop(self) -> None:
         if self.batcher is not None:
@@ -143,10 +157,18 @@ class EmbeddingService:
             return False
 
     @property
+    def worker_alive(self) -> bool:
+        return self.batcher is not None and self.batcher.alive
+
+    @property
     def ready(self) -> bool:
-        return (
-            self.warmed_up and not self.draining and self.batcher is not None and self.batcher.alive
-        )
+        return self.warmed_up and not self.draining and self.worker_alive
+
+    @property
+    def broken(self) -> bool:
+        """The worker died after warm-up: the process can no longer serve, only a restart
+        helps (liveness fails)."""
+        return self.warmed_up and not self.worker_alive and not self.draining
 
     def not_ready_reason(self) -> str:
         if self.draining:
@@ -164,62 +186,21 @@ class EmbeddingService:
 
     @property
     def info(self) -> ModelInfo:
-        return self.check_ready().info
+        """The loaded model's description (also while draining)."""
+        if self.embedder is None:
+            raise UnavailableError(self.not_ready_reason())
+        return self.embedder.info
 
     # Requests --------------------------------------------------------------------------
-    def validate_inputs(self, inputs: Sequence[RawInput]) -> None:
-        if not inputs:
-            raise EmptyInputError("the request holds no input")
-        limit = self.settings.max_inputs_per_request
-        if len(inputs) > limit:
-            raise PayloadTooLargeError(
-                f"the request holds {len(inputs)} inputs, more than the limit of {limit}"
-            )
-        for index, item in enumerate(inputs):
-            if len(item) == 0:
-                raise EmptyInputError(f"input {index} is empty")
-
-    def validate_dimensions(self, dimensions: int | None) -> None:
-        size = self.info.dimensions
-        if dimensions is not None and not 1 <= dimensions <= size:
-            raise ValidationFailedError(
-                f"dimensions must be between 1 and {size}, got {dimensions}", param="dimensions"
-            )
-
     async def tokenize(
         self, inputs: Sequence[RawInput], options: EncodeOptions, *, add_special_tokens: bool = True
-    ) -> list[Encoded]:
-        encoded, _ = await self._tokenize(self.check_ready(), inputs, options, add_special_tokens)
-        return encoded
-
-    async def _tokenize(
-        self,
-        embedder: Embedder,
-        inputs: Sequence[RawInput],
-        options: EncodeOptions,
-        add_special_tokens: bool = True,
-    ) -> tuple[list[Encoded], float]:
-        """Validate, prompt and tokenize in the tokenizer pool; also return the seconds taken."""
-        self.validate_inputs(inputs)
-        texts = self._apply_prompt(embedder, inputs, options.prompt_name)
-        truncate = self.settings.auto_truncate if options.truncate is None else options.truncate
-        loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        try:
-            encoded = await loop.run_in_executor(
-                self._tokenizer_pool,
-                lambda: embedder.tokenizer.encode(
-                    texts,
-                    truncate=truncate,
-                    direction=options.direction,
-                    add_special_tokens=add_special_tokens,
-                ),
-            )
-        except InputError as exc:
-            raise ValidationFailedError(str(exc), param="input") from exc
-        seconds = time.perf_counter() - started
-        self.metrics.tokenization_seconds.observe(seconds)
-        return encoded, seconds
+    ) -> Tokenized:
+        embedder = self.check_ready()
+        self.limits.check_inputs(inputs)
+        encoded, _ = await self._tokenize(embedder, inputs, options, add_special_tokens)
+        prompt = self._prompt(embedder, options)
+        texts = [prompt + item if isinstance(item, str) else item for item in inputs]
+        return Tokenized(texts, encoded)
 
     async def encode(
         self,
@@ -227,26 +208,33 @@ class EmbeddingService:
         options: EncodeOptions,
         disconnected: DisconnectWatch | None = None,
     ) -> EncodeResult:
-        """Tokenize, queue every input, and wait for all results (timeout and disconnect aware)."""
+        """Check, tokenize, queue every input, and wait for all results (timeout and
+        disconnect aware)."""
         deadline = time.perf_counter() + self.settings.request_timeout
         embedder = self._enter()
         try:
+            info = embedder.info
+            self.limits.check_inputs(inputs)
+            self.limits.check_dimensions(options.dimensions, info)
+            attention = self.limits.resolve_attention(options.attention, info)
             encoded, tokenization = await self._tokenize(embedder, inputs, options)
-            self._check_attention_size(encoded, options)
-            results = await self._run(encoded, options, deadline, disconnected)
+            tokens = self.limits.check_tokens(encoded, options, attention, info)
+            wants = Wants(
+                options.pooled,
+                options.normalize,
+                options.dimensions,
+                options.token_embeddings,
+                attention,
+            )
+            results, queued, inference = await self._run(encoded, wants, deadline, disconnected)
         finally:
             self._leave()
-        timings = Timings(
-            tokenization,
-            max(r.queue_seconds for r in results),
-            max(r.inference_seconds for r in results),
-        )
-        result = EncodeResult(encoded, results, timings)
+        self.metrics.inputs.inc(len(encoded))
+        self.metrics.tokens.inc(tokens)
         for e in encoded:
             self.metrics.input_tokens.observe(len(e.ids))
-        self.metrics.inputs.inc(len(encoded))
-        self.metrics.tokens.inc(result.token_count)
-        return result
+        timings = Timings(tokenization, queued, inference)
+        return EncodeResult(info, encoded, results, timings, attention)
 
     def _enter(self) -> Embedder:
         """Count an accepted request, so that a drain waits for it."""
@@ -260,59 +248,61 @@ class EmbeddingService:
         if self.inflight == 0:
             self._idle.set()
 
-    def _apply_prompt(
-        self, embedder: Embedder, inputs: Sequence[RawInput], prompt_name: str | None
-    ) -> list[RawInput]:
-        if prompt_name is None:
-            return list(inputs)
-        prompts = embedder.info.prompts
-        if prompt_name not in prompts:
-            known = ", ".join(sorted(prompts)) or "none"
-            raise ValidationFailedError(
-                f"unknown prompt_name {prompt_name!r} (this model's prompts: {known})",
-                param="prompt_name",
-            )
-        prefix = prompts[prompt_name]
-        return [prefix + item if isinstance(item, str) else item for item in inputs]
+    @staticmethod
+    def _prompt(embedder: Embedder, options: EncodeOptions) -> str:
+        try:
+            return embedder.prompt(options.prompt_name)
+        except PromptError as exc:
+            raise ValidationFailedError(str(exc), param="prompt_name") from exc
 
-    def _check_attention_size(self, encoded: list[Encoded], options: EncodeOptions) -> None:
-        if not options.attention_layers:
-            return
-        per_token_pair = len(options.attention_layers) * options.attention_maps_per_layer
-        values = sum(per_token_pair * len(e.ids) ** 2 for e in encoded)
-        limit = self.settings.max_attention_values
-        if values > limit:
-            raise ValidationFailedError(
-                f"the attention maps asked for hold {values} values (layers x heads x tokens^2), "
-                f"over the limit of {limit}; ask for fewer layers or heads, a mean over heads, "
-                "or shorter inputs",
-                param="attention",
+    async def _tokenize(
+        self,
+        embedder: Embedder,
+        inputs: Sequence[RawInput],
+        options: EncodeOptions,
+        add_special_tokens: bool = True,
+    ) -> tuple[list[Encoded], float]:
+        """Tokenize on the event loop when the request is small, else in the tokenizer pool;
+        also return the seconds taken."""
+        truncate = self.settings.auto_truncate if options.truncate is None else options.truncate
+        prompt = self._prompt(embedder, options)
+
+        def run() -> list[Encoded]:
+            return embedder.tokenizer.encode(
+                inputs,
+                truncate=truncate,
+                direction=options.direction,
+                add_special_tokens=add_special_tokens,
+                prompt=prompt,
             )
+
+        started = time.perf_counter()
+        try:
+            if sum(len(item) for item in inputs) < INLINE_TOKENIZE_CHARS:
+                encoded = run()
+            else:
+                loop = asyncio.get_running_loop()
+                encoded = await loop.run_in_executor(self._tokenizer_pool, run)
+        except InputError as exc:
+            raise ValidationFailedError(str(exc), param="input") from exc
+        seconds = time.perf_counter() - started
+        self.metrics.tokenization_seconds.observe(seconds)
+        return encoded, seconds
 
     async def _run(
         self,
         encoded: list[Encoded],
-        options: EncodeOptions,
+        wants: Wants,
         deadline: float,
         disconnected: DisconnectWatch | None,
-    ) -> list[ItemResult]:
+    ) -> tuple[list[ItemResult], float, float]:
+        """The request's results, its longest queue wait and its longest forward pass."""
         assert self.batcher is not None, "check_ready() guarantees a batcher"
         loop = asyncio.get_running_loop()
-        items = [
-            WorkItem(
-                e.ids,
-                loop.create_future(),
-                token_embeddings=options.token_embeddings,
-                attention_layers=options.attention_layers,
-            )
-            for e in encoded
-        ]
-        self.batcher.submit(items)
-        # return_exceptions: a failed batch fails every input alike; collect them all so that
-        # no future's exception goes unretrieved.
-        waiter = asyncio.gather(*(item.future for item in items), return_exceptions=True)
+        ticket = Ticket(encoded, wants, loop.create_future())
+        self.batcher.submit(ticket)
         watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
-        waiting: set[asyncio.Future[Any]] = {waiter}
+        waiting: set[asyncio.Future[Any]] = {ticket.future}
         if watcher is not None:
             waiting.add(watcher)
         try:
@@ -321,19 +311,13 @@ class EmbeddingService:
                 timeout=max(0.0, deadline - time.perf_counter()),
                 return_when=asyncio.FIRST_COMPLETED,
             )
-            if waiter in done:
-                results: list[ItemResult] = []
-                for outcome in waiter.result():
-                    if isinstance(outcome, BaseException):
-                        raise outcome
-                    results.append(outcome)
-                return results
-            for item in items:
-                item.abandoned = True
-            waiter.cancel()
+            if ticket.future in done:
+                return ticket.future.result(), ticket.queue_seconds, ticket.inference_seconds
+            ticket.abandoned = True
+            ticket.future.cancel()
             if watcher is not None and watcher in done:
                 raise ClientDisconnectedError("the client disconnected")
-            raise UnavailableError(
+            raise DeadlineError(
                 f"no result within the request timeout of {self.settings.request_timeout} s"
             )
         finally:

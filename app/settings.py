@@ -33,7 +33,11 @@ class Settings(BaseSettings):
         "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N."
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="auto: float16 on CUDA, float32 on the CPU."
+        "auto",
+        description=(
+            "auto: float16 on CUDA; on the CPU bfloat16 where the CPU computes it natively "
+            "(AMX or AVX-512 BF16), else float32."
+        ),
     )
     host: str = Field("0.0.0.0", description="Address to listen on.")
     port: int = Field(8080, ge=1, le=65535, description="Port to listen on.")
@@ -54,10 +58,15 @@ class Settings(BaseSettings):
         ),
     )
     max_inputs_per_request: int = Field(
-        256, ge=1, description="Inputs one request may carry (more: 413)."
+        2048, ge=1, description="Inputs one request may carry (more: 413); OpenAI's own limit."
     )
-    max_queued_inputs: int = Field(
-        4096, ge=1, description="Inputs waiting for the model before new requests get 429."
+    max_input_chars: int = Field(
+        200_000, ge=1, description="Characters one input may have (more: 413)."
+    )
+    max_request_tokens: int = Field(
+        300_000,
+        ge=1,
+        description="Tokens one request may hold after truncation (more: 413); OpenAI's limit.",
     )
     max_input_tokens: int | None = Field(
         None, ge=1, description="Tokens per input; default and ceiling: the model's own limit."
@@ -66,7 +75,20 @@ class Settings(BaseSettings):
         True, description="Truncate long inputs when a request does not say (else 422)."
     )
     request_timeout: float = Field(
-        30.0, gt=0, description="Seconds a request may wait for its results before 503."
+        30.0,
+        gt=0,
+        description=(
+            "Seconds a request may wait for its results before 504; the queue admits work "
+            "only while it is estimated to finish within this time (else 429)."
+        ),
+    )
+    body_timeout: float = Field(
+        30.0, gt=0, description="Seconds a client may take to send its body (else 408)."
+    )
+    max_connections: int = Field(
+        1024,
+        ge=1,
+        description="Open connections and requests in progress before new ones get a fast 503.",
     )
     payload_limit: int = Field(2_000_000, ge=1024, description="Largest request body in bytes.")
     api_key: SecretStr | None = Field(
@@ -78,7 +100,15 @@ class Settings(BaseSettings):
     max_attention_values: int = Field(
         4_000_000,
         ge=1,
-        description="Most attention-map values (layers x heads x T x T) one request may ask for.",
+        description=(
+            "Most attention-map values (layers x heads x T x T) one request may ask for, and "
+            "one batch may compute."
+        ),
+    )
+    max_token_values: int = Field(
+        4_000_000,
+        ge=1,
+        description="Most per-token embedding values (tokens x hidden size) one request gets.",
     )
     shutdown_grace: float = Field(
         30.0, ge=0, description="Seconds accepted requests get to finish after SIGTERM."

@@ -1,8 +1,8 @@
 """The encoder's two CPU mechanisms, each forced on and off on the same batches.
 
 - Packing: position-wise layers on real tokens only, at several shares of padding
-  (this is what sets model.layers.PACKING_MIN_PADDING).
-- Feed-forward chunks of model.layers.FEED_FORWARD_CHUNK tokens against the whole batch.
+  (this is what sets model.packing.PACKING_MIN_PADDING).
+- Feed-forward chunks of model.packing.FEED_FORWARD_CHUNK tokens against the whole batch.
 Usage: python -m bench.layers [--threads 2]
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from bench.encoder import make_texts
-from model import DEFAULT_MODEL_ID, Embedder, layers
+from model import DEFAULT_MODEL_ID, Embedder, packing
 
 PADDING_SHARES = (0.05, 0.10, 0.20, 0.40, 0.60)
 
@@ -54,12 +54,12 @@ def best_interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dic
 
 def with_setting(name: str, value: float, run: Callable[[], object]) -> Callable[[], object]:
     def wrapped() -> object:
-        saved = getattr(layers, name)
-        setattr(layers, name, value)
+        saved = getattr(packing, name)
+        setattr(packing, name, value)
         try:
             return run()
         finally:
-            setattr(layers, name, saved)
+            setattr(packing, name, saved)
 
     return wrapped
 
@@ -92,7 +92,7 @@ def main() -> None:
         )
 
     print(
-        f"feed-forward in chunks of {layers.FEED_FORWARD_CHUNK} tokens against whole, "
+        f"feed-forward in chunks of {packing.FEED_FORWARD_CHUNK} tokens against whole, "
         "equal-length ~200-token inputs"
     )
     for count in (32, 128):

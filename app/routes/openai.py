@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
+from starlette.responses import Response
 
-from app.dependencies import DisconnectDep, ServiceDep, require_api_key
-from app.responses import (
-    JSONResponse,
-    base64_floats,
-    pooled_vectors,
-    timing_headers,
-    usage_payload,
-)
+from app.dependencies import DisconnectDep, ServiceDep
+from app.responses import JSONResponse, base64_floats, embeddings, timing_headers, usage_payload
 from app.routes.errors import error_responses
 from app.schemas import OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
-from app.service import EncodeOptions
 
-router = APIRouter(
-    tags=["openai"], dependencies=[Depends(require_api_key)], responses=error_responses(openai=True)
-)
+router = APIRouter(tags=["openai"], responses=error_responses(openai=True))
 
 
 @router.post(
@@ -28,22 +20,22 @@ router = APIRouter(
 )
 async def create_embeddings(
     body: OpenAIEmbeddingRequest, service: ServiceDep, disconnected: DisconnectDep
-) -> JSONResponse:
-    service.validate_dimensions(body.dimensions)
-    result = await service.encode(body.inputs_list(), EncodeOptions(), disconnected)
-    vectors = pooled_vectors(result, normalize=True, dimensions=body.dimensions)
+) -> Response:
+    result = await service.encode(body.inputs_list(), body.options(), disconnected)
+    vectors = embeddings(result)
+    as_base64 = body.encoding_format == "base64"
     data = [
         {
             "object": "embedding",
             "index": index,
-            "embedding": base64_floats(vector) if body.encoding_format == "base64" else vector,
+            "embedding": base64_floats(vector) if as_base64 else vector,
         }
         for index, vector in enumerate(vectors)
     ]
     content = {
         "object": "list",
         "data": data,
-        "model": service.info.model_id,
+        "model": result.model.model_id,
         "usage": usage_payload(result),
     }
     return JSONResponse(content, headers=timing_headers(result))

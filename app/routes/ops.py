@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from app.dependencies import ServiceDep, require_api_key
+from app.dependencies import ServiceDep
 from app.errors import UnavailableError
 from app.metrics import Metrics
 from app.responses import JSONResponse
@@ -28,12 +28,7 @@ def package_version() -> str:
         return "0.0.0+local"
 
 
-@router.get(
-    "/info",
-    response_model=InfoResponse,
-    dependencies=[Depends(require_api_key)],
-    responses=error_responses(),
-)
+@router.get("/info", response_model=InfoResponse, responses=error_responses())
 async def info(service: ServiceDep) -> JSONResponse:
     model = service.info
     settings = service.settings
@@ -42,23 +37,33 @@ async def info(service: ServiceDep) -> JSONResponse:
             "model_id": model.model_id,
             "model_type": model.model_type,
             "dimensions": model.dimensions,
+            "hidden_size": model.hidden_size,
             "max_input_tokens": model.max_input_tokens,
-            "pooling": str(model.pooling),
+            "pooling": list(model.pooling),
+            "include_prompt": model.include_prompt,
+            "dense": list(model.dense),
             "normalize": model.normalize,
             "dtype": model.dtype,
+            "dtype_reason": model.dtype_reason,
             "device": model.device,
             "num_layers": model.num_layers,
             "num_heads": model.num_heads,
             "prompts": dict(model.prompts),
+            "default_prompt_name": model.default_prompt_name,
+            "do_lower_case": model.do_lower_case,
+            "similarity_fn_name": model.similarity_fn_name,
             "auto_truncate": settings.auto_truncate,
             "limits": {
                 "max_batch_tokens": settings.max_batch_tokens,
                 "max_batch_inputs": settings.max_batch_inputs,
                 "max_inputs_per_request": settings.max_inputs_per_request,
-                "max_queued_inputs": settings.max_queued_inputs,
+                "max_input_chars": settings.max_input_chars,
+                "max_request_tokens": settings.max_request_tokens,
+                "max_token_values": settings.max_token_values,
                 "max_attention_values": settings.max_attention_values,
                 "payload_limit": settings.payload_limit,
                 "request_timeout": settings.request_timeout,
+                "body_timeout": settings.body_timeout,
             },
             "version": package_version(),
         }
@@ -80,9 +85,13 @@ async def health(service: ServiceDep) -> JSONResponse:
 @router.get(
     "/live",
     response_model=StatusResponse,
-    summary="Liveness: the process and its event loop answer (never touches the model)",
+    responses={503: {"model": ErrorResponse, "description": "The batch worker has died"}},
+    summary="Liveness: the event loop answers and the batch worker has not died",
 )
-async def live() -> JSONResponse:
+async def live(service: ServiceDep) -> JSONResponse:
+    # Never touches the model; fails only when a restart is the one way back.
+    if service.broken:
+        raise UnavailableError("the batch worker has stopped; the process needs a restart")
     return JSONResponse({"status": "ok"})
 
 

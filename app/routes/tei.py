@@ -2,29 +2,21 @@
 
 from __future__ import annotations
 
-import numpy as np
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
+from starlette.responses import Response
 
-from app.dependencies import DisconnectDep, ServiceDep, require_api_key
-from app.responses import JSONResponse, pooled_vectors, timing_headers
+from app.dependencies import DisconnectDep, ServiceDep
+from app.responses import JSONResponse, embeddings, render, timing_headers
 from app.routes.errors import error_responses
 from app.schemas import EmbedAllRequest, EmbedRequest, SimpleToken, TokenizeRequest
 
-router = APIRouter(
-    tags=["text-embeddings-inference"],
-    dependencies=[Depends(require_api_key)],
-    responses=error_responses(),
-)
+router = APIRouter(tags=["text-embeddings-inference"], responses=error_responses())
 
 
 @router.post("/embed", response_model=list[list[float]], summary="Pooled embeddings")
-async def embed(
-    body: EmbedRequest, service: ServiceDep, disconnected: DisconnectDep
-) -> JSONResponse:
-    service.validate_dimensions(body.dimensions)
+async def embed(body: EmbedRequest, service: ServiceDep, disconnected: DisconnectDep) -> Response:
     result = await service.encode(body.inputs_list(), body.options(), disconnected)
-    vectors = pooled_vectors(result, body.normalize, body.dimensions)
-    return JSONResponse(vectors, headers=timing_headers(result))
+    return JSONResponse(embeddings(result), headers=timing_headers(result))
 
 
 @router.post(
@@ -34,20 +26,23 @@ async def embed(
 )
 async def embed_all(
     body: EmbedAllRequest, service: ServiceDep, disconnected: DisconnectDep
-) -> JSONResponse:
+) -> Response:
     result = await service.encode(body.inputs_list(), body.options(), disconnected)
-    vectors = [np.ascontiguousarray(item.token_embeddings) for item in result.items]
-    return JSONResponse(vectors, headers=timing_headers(result))
+    values = result.token_count * result.model.hidden_size
+    return await render(
+        lambda: [item.token_embeddings for item in result.items],
+        values=values,
+        headers=timing_headers(result),
+    )
 
 
 @router.post("/tokenize", response_model=list[list[SimpleToken]], summary="Tokens with offsets")
-async def tokenize(body: TokenizeRequest, service: ServiceDep) -> JSONResponse:
-    inputs = body.inputs_list()
-    encoded = await service.tokenize(
-        inputs, body.options(), add_special_tokens=body.add_special_tokens
+async def tokenize(body: TokenizeRequest, service: ServiceDep) -> Response:
+    tokenized = await service.tokenize(
+        body.inputs_list(), body.options(), add_special_tokens=body.add_special_tokens
     )
     response = []
-    for source, item in zip(inputs, encoded, strict=True):
+    for source, item in zip(tokenized.texts, tokenized.encoded, strict=True):
         tokens = []
         for position, (token_id, token) in enumerate(zip(item.ids, item.tokens, strict=True)):
             special = item.special[position]

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from app.main import create_app
 from app.service import EmbeddingService
 from app.settings import Settings
-from model import BatchOutput
+from model import BatchOutput, Encoded
 
 
 @pytest.fixture
@@ -23,7 +23,12 @@ def anyio_backend() -> str:
 
 
 def make_settings(checkpoint: Path, **overrides: Any) -> Settings:
-    values: dict[str, Any] = {"model_id": str(checkpoint), "device": "cpu", "threads": 1}
+    values: dict[str, Any] = {
+        "model_id": str(checkpoint),
+        "device": "cpu",
+        "dtype": "float32",
+        "threads": 1,
+    }
     return Settings(**(values | overrides))
 
 
@@ -58,15 +63,19 @@ class GatedForward:
         self.gate.set()
         self.entered = threading.Event()
         self.batches: list[list[list[int]]] = []
-        self.fail_when: Callable[[Sequence[Sequence[int]]], bool] = lambda batch: False
-        service.embedder.forward = self  # type: ignore[method-assign]
+        self.fail_when: Callable[[list[list[int]]], bool] = lambda batch: False
+        self.error: Callable[[], BaseException] = lambda: RuntimeError(
+            "injected failure in the forward pass"
+        )
+        service.embedder.forward = self  # type: ignore[method-assign,assignment]
 
-    def __call__(self, batch: Sequence[Sequence[int]], **kwargs: Any) -> BatchOutput:
-        self.batches.append([list(ids) for ids in batch])
+    def __call__(self, batch: Sequence[Encoded], **kwargs: Any) -> BatchOutput:
+        ids = [list(item.ids) for item in batch]
+        self.batches.append(ids)
         self.entered.set()
         self.gate.wait(timeout=30)
-        if self.fail_when(batch):
-            raise RuntimeError("injected failure in the forward pass")
+        if self.fail_when(ids):
+            raise self.error()
         return self.original(batch, **kwargs)
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.batcher import Batcher, WorkItem
-from app.errors import OverloadedError
+from app.batcher import Batcher, Ticket, Wants, WorkItem
+from app.errors import ClientDisconnectedError, OverloadedError
 from app.metrics import Metrics
-from app.service import ClientDisconnectedError, EncodeOptions
-from model import Embedder
+from app.params import EncodeOptions
+from model import AttentionSpec, Embedder, Encoded
 from tests.app.conftest import GatedForward, make_settings, running_app, service_of, wait_until
 from tests.helpers import TINY_VOCAB
 
@@ -55,30 +55,36 @@ async def test_concurrent_requests_are_batched_and_equal_to_alone(tiny_checkpoin
     assert total / count > 1  # the metrics show batches of more than one input
 
 
-async def test_full_queue_answers_429_and_loses_nothing(tiny_checkpoint: Path) -> None:
-    settings = make_settings(tiny_checkpoint, max_queued_inputs=4, max_batch_inputs=1)
+async def test_queue_bounded_in_work_answers_429_and_loses_nothing(tiny_checkpoint: Path) -> None:
+    """The queue admits work while its estimated time fits the request timeout: here 1 s at
+    0.01 s per token, so 100 tokens; each "fox i" request holds 4 of them."""
+    settings = make_settings(tiny_checkpoint, request_timeout=1.0, max_batch_inputs=1)
     async with running_app(settings) as (app, client):
+        batcher = service_of(app).batcher
+        assert batcher is not None
         gate = GatedForward(service_of(app))
         gate.gate.clear()
         first = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
-        await asyncio.to_thread(gate.entered.wait, 10)  # the worker holds "hello"
+        await asyncio.to_thread(gate.entered.wait, 10)  # the worker holds "hello" (3 tokens)
+        batcher._seconds, batcher._tokens = 0.01, 1.0  # a known pace: 0.01 s per token
         queued = [
             asyncio.create_task(client.post("/embed", json={"inputs": f"fox {i}"}))
-            for i in range(4)
+            for i in range(24)  # 3 + 24 x 4 = 99 tokens, 0.99 s: at the limit
         ]
-        batcher = service_of(app).batcher
-        assert batcher is not None
-        await wait_until(lambda: batcher.depth == 4)
-        rejected = await client.post("/embed", json={"inputs": "one too many"})
-        too_big = await client.post("/embed", json={"inputs": ["a", "b"]})
+        await wait_until(lambda: batcher.depth == 24)
+        rejected = await client.post("/embed", json={"inputs": "fox 9"})  # 103 tokens
+        rejected_openai = await client.post("/v1/embeddings", json={"input": "fox"})
+        batcher._seconds = 0.0  # let the held work finish quickly once released
         gate.gate.set()
         accepted = await asyncio.gather(first, *queued)
     assert rejected.status_code == 429
     assert rejected.json()["error_type"] == "Overloaded"
+    assert "1 s" in rejected.json()["error"]
     assert int(rejected.headers["retry-after"]) >= 1
-    assert too_big.status_code == 429
-    assert [r.status_code for r in accepted] == [200] * 5
-    assert len(gate.batches) == 5  # every accepted input ran exactly once
+    assert rejected_openai.status_code == 429
+    assert rejected_openai.json()["error"]["type"] == "rate_limit_error"
+    assert [r.status_code for r in accepted] == [200] * 25
+    assert len(gate.batches) == 25  # every accepted input ran exactly once
 
 
 async def test_failing_batch_fails_only_its_requests(tiny_checkpoint: Path) -> None:
@@ -112,8 +118,8 @@ async def test_timed_out_input_is_dropped_before_it_runs(tiny_checkpoint: Path) 
         gate.gate.set()
         await held
         after = await client.post("/embed", json={"inputs": "world"})
-    assert late.status_code == 503
-    assert "timeout" in late.json()["error"]
+    assert late.status_code == 504  # not 503: a load balancer must not run it again
+    assert late.json()["error_type"] == "Timeout" and "timeout" in late.json()["error"]
     fox = TINY_VOCAB.index("fox")
     assert not any(fox in ids for batch in gate.batches for ids in batch)
     assert after.status_code == 200
@@ -138,61 +144,100 @@ async def test_disconnected_client_is_dropped_before_it_runs(tiny_checkpoint: Pa
     assert not any(fox in ids for batch in gate.batches for ids in batch)
 
 
-def make_items(lengths: list[int]) -> list[WorkItem]:
+def make_items(lengths: list[int], wants: Wants | None = None) -> list[WorkItem]:
+    """One ticket per input, as if each came in its own request."""
     loop = asyncio.new_event_loop()
     try:
-        return [WorkItem(list(range(n)), loop.create_future()) for n in lengths]
+        return [
+            Ticket(
+                [Encoded(list(range(n)), [], None, [], False)],
+                wants or Wants(),
+                loop.create_future(),
+            ).items[0]
+            for n in lengths
+        ]
     finally:
         loop.close()
 
 
-def test_batch_holds_the_oldest_and_groups_by_length(tiny_embedder: Embedder) -> None:
-    batcher = Batcher(
-        tiny_embedder, Metrics(), max_batch_tokens=40, max_batch_inputs=3, max_queued_inputs=100
+def make_batcher(embedder: Embedder, **overrides: float) -> Batcher:
+    values: dict[str, float] = {
+        "max_batch_tokens": 1000,
+        "max_batch_inputs": 3,
+        "max_attention_values": 10**9,
+        "max_wait": 30.0,
+    }
+    values.update(overrides)
+    return Batcher(
+        embedder,
+        Metrics(),
+        max_batch_tokens=int(values["max_batch_tokens"]),
+        max_batch_inputs=int(values["max_batch_inputs"]),
+        max_attention_values=int(values["max_attention_values"]),
+        max_wait=values["max_wait"],
+        batch_wait=values.get("batch_wait", 0.0),
     )
+
+
+def test_batch_holds_the_oldest_and_groups_by_length(tiny_embedder: Embedder) -> None:
+    batcher = make_batcher(tiny_embedder, max_batch_tokens=40)
     items = make_items([20, 3, 19, 4, 18, 2])
     batch = batcher._choose(items)
     assert batch[0] is items[0]  # the oldest always runs, however long
-    assert [len(i.ids) for i in batch] == [20, 19]  # 20 x 3 would pass the 40-token budget
+    assert [i.length for i in batch] == [20, 19]  # 20 x 3 would pass the 40-token budget
     lone = batcher._choose(make_items([64, 2, 2]))
-    assert [len(i.ids) for i in lone] == [64]  # over budget alone, yet it runs
+    assert [i.length for i in lone] == [64]  # over budget alone, yet it runs
 
 
 def test_batch_respects_the_input_count(tiny_embedder: Embedder) -> None:
-    batcher = Batcher(
-        tiny_embedder, Metrics(), max_batch_tokens=1000, max_batch_inputs=3, max_queued_inputs=100
-    )
+    batcher = make_batcher(tiny_embedder)
     items = make_items([5, 9, 5, 6, 5])
-    assert [len(i.ids) for i in batcher._choose(items)] == [5, 5, 5]
+    assert [i.length for i in batcher._choose(items)] == [5, 5, 5]
 
 
-def test_submit_is_all_or_nothing(tiny_embedder: Embedder) -> None:
-    batcher = Batcher(
-        tiny_embedder, Metrics(), max_batch_tokens=1000, max_batch_inputs=3, max_queued_inputs=3
-    )
-    batcher.submit(make_items([1, 2]))
-    with pytest.raises(OverloadedError):
-        batcher.submit(make_items([1, 2]))
-    assert batcher.depth == 2
+def test_batch_bounds_the_attention_maps_it_computes(tiny_embedder: Embedder) -> None:
+    """Each input is under the per-request limit, but a batch computes maps for all of them
+    at the padded width: 2 layers x 2 heads x 10^2 = 400 values per input."""
+    maps = Wants(attention=AttentionSpec((0, 1), (0, 1)))
+    batcher = make_batcher(tiny_embedder, max_attention_values=800, max_batch_inputs=8)
+    batch = batcher._choose(make_items([10, 10, 10, 10], maps))
+    assert len(batch) == 2  # 3 x 400 would pass 800
+    plain = batcher._choose(make_items([10, 10, 10]) + make_items([10], maps))
+    assert len(plain) == 3  # inputs that want maps never join a batch that does not
+
+
+def test_submit_is_all_or_nothing_and_an_empty_queue_takes_anything(
+    tiny_embedder: Embedder,
+) -> None:
+    batcher = make_batcher(tiny_embedder, max_wait=1.0)
+    batcher._seconds, batcher._tokens = 0.1, 1.0  # 0.1 s per token: 10 tokens fit in 1 s
+    loop = asyncio.new_event_loop()
+    try:
+
+        def ticket(*lengths: int) -> Ticket:
+            encoded = [Encoded(list(range(n)), [], None, [], False) for n in lengths]
+            return Ticket(encoded, Wants(), loop.create_future())
+
+        batcher.submit(ticket(30))  # over the estimate alone, but the queue was empty
+        with pytest.raises(OverloadedError) as caught:
+            batcher.submit(ticket(1, 2))
+        assert caught.value.retry_after == 3  # 33 tokens x 0.1 s, 2.3 s past the 1 s bound
+        assert batcher.depth == 1
+    finally:
+        loop.close()
 
 
 async def test_a_lone_input_does_not_wait_out_the_batch_wait(tiny_embedder: Embedder) -> None:
     """Waiting for a fuller batch stops as soon as inputs stop arriving."""
-    batcher = Batcher(
-        tiny_embedder,
-        Metrics(),
-        max_batch_tokens=1000,
-        max_batch_inputs=8,
-        max_queued_inputs=100,
-        batch_wait=30.0,
-    )
+    batcher = make_batcher(tiny_embedder, max_batch_inputs=8, batch_wait=30.0)
     loop = asyncio.get_running_loop()
     batcher.start(loop)
     try:
-        item = WorkItem([2, 40, 3], loop.create_future())
-        batcher.submit([item])
-        result = await asyncio.wait_for(item.future, timeout=10)  # far below the 30 s cap
-        assert result.pooled.shape == (tiny_embedder.info.dimensions,)
+        ticket = Ticket(tiny_embedder.tokenize(["hello"]), Wants(), loop.create_future())
+        batcher.submit(ticket)
+        [result] = await asyncio.wait_for(ticket.future, timeout=10)  # far below the 30 s cap
+        assert result.embedding is not None
+        assert result.embedding.shape == (tiny_embedder.info.dimensions,)
     finally:
         batcher.stop()
 
@@ -219,22 +264,14 @@ def test_input_abandoned_during_the_batch_wait_does_not_run(
     from app import batcher as batcher_module
 
     monkeypatch.setattr(batcher_module, "QUIET_GAP", 30.0)  # the wait ends only when full
-    batcher = Batcher(
-        tiny_embedder,
-        Metrics(),
-        max_batch_tokens=1000,
-        max_batch_inputs=2,
-        max_queued_inputs=10,
-        batch_wait=30.0,
-    )
+    batcher = make_batcher(tiny_embedder, max_batch_inputs=2, batch_wait=30.0)
     first, second = make_items([3, 4])
-    batcher.submit([first])
+    batcher.submit(first.ticket)
     chosen: list[list[WorkItem] | None] = []
     worker = threading.Thread(target=lambda: chosen.append(batcher._next_batch()))
     worker.start()
     time.sleep(0.2)  # the worker is now inside the wait for a fuller batch
-    first.abandoned = True  # its client gives up meanwhile
-    batcher.submit([second])  # the batch is full: the wait ends
+    first.ticket.abandoned = True  # its client gives up meanwhile
+    batcher.submit(second.ticket)  # the batch is full: the wait ends
     worker.join(timeout=10)
     assert chosen == [[second]]
-    assert batcher.depth == 0

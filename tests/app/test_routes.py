@@ -9,7 +9,7 @@ import numpy as np
 import openai
 import pytest
 
-from model import Embedder, finalize
+from model import AttentionSpec, Embedder, finish
 from tests.app.conftest import make_settings, running_app
 from tests.helpers import TINY_VOCAB
 
@@ -20,8 +20,8 @@ TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog"]
 def reference(
     tiny_embedder: Embedder, texts: list[str], normalize: bool = True, dimensions: int | None = None
 ) -> np.ndarray:
-    pooled = tiny_embedder.forward([e.ids for e in tiny_embedder.tokenize(texts)]).pooled
-    return finalize(pooled, normalize, dimensions).numpy()
+    pooled = tiny_embedder.forward(tiny_embedder.tokenize(texts)).pooled
+    return finish(pooled.numpy(), normalize, dimensions)
 
 
 async def test_embed_matches_the_model(tiny_checkpoint: Path, tiny_embedder: Embedder) -> None:
@@ -184,10 +184,10 @@ async def test_encode_returns_everything_asked_for(
     maps = np.array(attention["values"])
     assert maps.shape == (2, 4, 4)
     want = tiny_embedder.forward(
-        [tiny_embedder.tokenize(["hello world"])[0].ids], attention_layers=[1]
+        tiny_embedder.tokenize(["hello world"]), attention=AttentionSpec((1,), (0, 2))
     ).attentions
     assert want is not None
-    assert np.abs(maps - want[0][1][[0, 2]].numpy()).max() <= 1e-5
+    assert np.abs(maps - want[0][1].numpy()).max() <= 1e-5
     mean_body = mean.json()["data"][0]
     assert "embedding" not in mean_body and "tokens" not in mean_body
     assert [a["layer"] for a in mean_body["attention"]] == [0, 1]
@@ -196,7 +196,7 @@ async def test_encode_returns_everything_asked_for(
     values = np.frombuffer(base64.b64decode(packed["data"]), dtype="<f4").reshape(4, 4)
     assert np.allclose(values.sum(axis=1), 1.0, atol=1e-5)
     layer0 = tiny_embedder.forward(
-        [tiny_embedder.tokenize(["hello world"])[0].ids], attention_layers=[0]
+        tiny_embedder.tokenize(["hello world"]), attention=AttentionSpec((0,), (0, 1, 2, 3))
     ).attentions
     assert layer0 is not None
     assert np.abs(values - layer0[0][0].numpy().mean(axis=0)).max() <= 1e-5
@@ -211,7 +211,8 @@ async def test_operations_routes(tiny_checkpoint: Path) -> None:
         metrics = (await client.get("/metrics")).text
         docs = (await client.get("/openapi.json")).json()
     assert info["dimensions"] == 32 and info["max_input_tokens"] == 48
-    assert info["pooling"] == "mean" and info["device"] == "cpu" and info["dtype"] == "float32"
+    assert info["pooling"] == ["mean"] and info["device"] == "cpu" and info["dtype"] == "float32"
+    assert info["hidden_size"] == 32 and info["dense"] == [] and info["include_prompt"]
     assert info["limits"]["max_batch_tokens"] > 0 and info["version"]
     assert health.json() == {"status": "ok"} and live.json() == {"status": "ok"}
     for name in (
@@ -234,7 +235,7 @@ async def test_operations_routes(tiny_checkpoint: Path) -> None:
     assert 'embed_requests_total{route="/embed",status="200"} 1.0' in metrics
     assert "embed_inputs_total 2.0" in metrics
     for path in ("/embed", "/embed_all", "/tokenize", "/v1/embeddings", "/encode", "/info"):
-        assert {"413", "422", "429", "503"} <= set(
+        assert {"413", "422", "429", "503", "504"} <= set(
             docs["paths"][path]["post" if path != "/info" else "get"]["responses"]
         )
 

@@ -1,0 +1,108 @@
+"""The per-request limits, checked before any work is queued; each error states its limit.
+
+Cheap checks come first (input count and characters, before tokenizing), then those that need
+the tokens (tokens per request, per-token and attention values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from app.errors import EmptyInputError, PayloadTooLargeError, ValidationFailedError
+from app.params import AttentionQuery, EncodeOptions, RawInput
+from app.settings import Settings
+from model import AttentionSpec, Encoded, ModelInfo
+
+
+class Limits:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def check_inputs(self, inputs: Sequence[RawInput]) -> None:
+        """400 for no input or an empty one; 413 for too many inputs or characters."""
+        if not inputs:
+            raise EmptyInputError("the request holds no input")
+        limit = self.settings.max_inputs_per_request
+        if len(inputs) > limit:
+            raise PayloadTooLargeError(
+                f"the request holds {len(inputs)} inputs, more than the limit of {limit}"
+            )
+        chars = self.settings.max_input_chars
+        for index, item in enumerate(inputs):
+            if len(item) == 0:
+                raise EmptyInputError(f"input {index} is empty")
+            if isinstance(item, str) and len(item) > chars:
+                raise PayloadTooLargeError(
+                    f"input {index} has {len(item)} characters, more than the limit of {chars}"
+                )
+
+    def check_dimensions(self, dimensions: int | None, info: ModelInfo) -> None:
+        if dimensions is not None and not 1 <= dimensions <= info.dimensions:
+            raise ValidationFailedError(
+                f"dimensions must be between 1 and {info.dimensions}, got {dimensions}",
+                param="dimensions",
+            )
+
+    def resolve_attention(
+        self, query: AttentionQuery | None, info: ModelInfo
+    ) -> AttentionSpec | None:
+        if query is None:
+            return None
+        return AttentionSpec(
+            tuple(sorted(resolve_indices(query.layers, info.num_layers, "layer"))),
+            tuple(resolve_indices(query.heads, info.num_heads, "head")),
+            query.mean,
+        )
+
+    def check_tokens(
+        self,
+        encoded: Sequence[Encoded],
+        options: EncodeOptions,
+        attention: AttentionSpec | None,
+        info: ModelInfo,
+    ) -> int:
+        """413 for too many tokens in the request; 422 for too many per-token or attention
+        values in the response. Returns the request's token count."""
+        tokens = sum(len(e.ids) for e in encoded)
+        limit = self.settings.max_request_tokens
+        if tokens > limit:
+            raise PayloadTooLargeError(
+                f"the request holds {tokens} tokens, more than the limit of {limit}; "
+                "send fewer or shorter inputs"
+            )
+        if options.token_embeddings:
+            values = tokens * info.hidden_size
+            limit = self.settings.max_token_values
+            if values > limit:
+                raise ValidationFailedError(
+                    f"the per-token embeddings asked for hold {values} values (tokens x "
+                    f"{info.hidden_size}), over the limit of {limit}; send fewer or shorter "
+                    "inputs",
+                    param="input",
+                )
+        if attention is not None:
+            per_pair = len(attention.layers) * attention.maps_per_layer
+            values = sum(per_pair * len(e.ids) ** 2 for e in encoded)
+            limit = self.settings.max_attention_values
+            if values > limit:
+                raise ValidationFailedError(
+                    f"the attention maps asked for hold {values} values (layers x heads x "
+                    f"tokens^2), over the limit of {limit}; ask for fewer layers or heads, a "
+                    "mean over heads, or shorter inputs",
+                    param="attention",
+                )
+        return tokens
+
+
+def resolve_indices(asked: Sequence[int] | None, count: int, what: str) -> list[int]:
+    """None means all; negative indices count from the end, as in Python."""
+    if asked is None:
+        return list(range(count))
+    resolved = []
+    for index in asked:
+        if not -count <= index < count:
+            raise ValidationFailedError(
+                f"{what} {index} is outside [-{count}, {count})", param=f"attention.{what}s"
+            )
+        resolved.append(index % count)
+    return list(dict.fromkeys(resolved))

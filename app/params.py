@@ -1,0 +1,35 @@
+"""A request's internal parameters: what the protocol (schemas.py) hands the serving layer.
+
+Plain frozen dataclasses, so that the protocol types and the serving layer both depend on
+this module and never on each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model import Direction
+
+RawInput = str | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionQuery:
+    """Attention maps as a request asks for them: indices may count from the end, None is
+    all of them; the serving layer resolves them against the model."""
+
+    layers: tuple[int, ...] | None = None
+    heads: tuple[int, ...] | None = None
+    mean: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeOptions:
+    truncate: bool | None = None  # None: the server's auto_truncate
+    direction: Direction = "right"
+    prompt_name: str | None = None  # None: the model's default prompt; "": none
+    normalize: bool = True
+    dimensions: int | None = None
+    pooled: bool = True
+    token_embeddings: bool = False
+    attention: AttentionQuery | None = None
