@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 TORCH := torch==2.13.0
 # Debian packages the tests drive for real (installed when missing; needs root or sudo).
-APT_PACKAGES :=
+APT_PACKAGES := chromium
 
 .PHONY: install serve dev system-deps lint test bench
 

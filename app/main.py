@@ -14,7 +14,7 @@ from app.handlers import install_handlers
 from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
 from app.responses import JSONResponse
-from app.routes import encode, openai, ops, tei
+from app.routes import encode, openai, ops, playground, tei
 from app.service import EmbeddingService
 from app.settings import Settings
 
@@ -54,12 +54,16 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
         summary="Embeddings from a from-scratch BERT-family encoder, dynamically batched.",
         lifespan=lifespan,
         default_response_class=JSONResponse,
+        # FastAPI's own docs pages load their assets from a CDN; the playground router serves
+        # /docs and /redoc with assets from the app itself.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.service = service
     routes: set[str] = set()
-    for module in (tei, openai, encode, ops):
+    for module in (tei, openai, encode, ops, playground):
         app.include_router(module.router)
         routes.update(getattr(route, "path", "") for route in module.router.routes)
     install_handlers(app)
