@@ -20,10 +20,10 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Paths anyone may call when an API key is set: probes, metrics and the API's own docs.
-PUBLIC_PATHS = frozenset(
-    {"/health", "/live", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
-)
+# Routers whose routes need the API key when one is set (and /info). Probes, metrics, the
+# docs and the pages stay open: orchestrators and people call them without a key.
+PROTECTED_ROUTERS = (tei, openai, encode)
+PROTECTED_PATHS = frozenset({"/info"})
 
 
 def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
@@ -63,9 +63,13 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
     app.state.metrics = metrics
     app.state.service = service
     routes: set[str] = set()
+    protected = set(PROTECTED_PATHS)
     for module in (tei, openai, encode, ops, playground):
         app.include_router(module.router)
-        routes.update(getattr(route, "path", "") for route in module.router.routes)
+        paths = {getattr(route, "path", "") for route in module.router.routes}
+        routes.update(paths)
+        if module in PROTECTED_ROUTERS:
+            protected.update(paths)
     install_handlers(app)
     if settings.cors_origins:
         app.add_middleware(
@@ -81,7 +85,7 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
         payload_limit=settings.payload_limit,
         body_timeout=settings.body_timeout,
         routes=routes,
-        public=PUBLIC_PATHS,
+        protected=frozenset(protected),
         api_key=api_key,
     )
     return app

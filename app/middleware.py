@@ -34,7 +34,7 @@ class ServiceMiddleware:
         payload_limit: int,
         body_timeout: float,
         routes: Container[str],
-        public: Container[str],
+        protected: Container[str],
         api_key: str | None,
     ) -> None:
         self.app = app
@@ -42,7 +42,7 @@ class ServiceMiddleware:
         self.payload_limit = payload_limit
         self.body_timeout = body_timeout
         self.routes = routes
-        self.public = public
+        self.protected = protected
         self.api_key = api_key.encode() if api_key else None
         # Unique per process start, then a counter: cheaper than a uuid4 per request.
         self._id_prefix = uuid.uuid4().hex[:12]
@@ -98,7 +98,7 @@ class ServiceMiddleware:
 
     def _check_key(self, path: str, headers: dict[bytes, bytes]) -> None:
         """Inference and /info need `Authorization: Bearer <key>` when an API key is set."""
-        if self.api_key is None or path in self.public:
+        if self.api_key is None or path not in self.protected:
             return
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.api_key):
