@@ -1,8 +1,10 @@
 """`python -m app` / `embedding-server`: settings from flags and EMBED_* variables, then uvicorn.
 
 SIGTERM (or Ctrl-C) drains: /health turns 503 and new inference gets 503 at once, accepted
-requests finish (up to --shutdown-grace seconds), then the server exits. A second signal
-exits at once.
+requests finish (up to --shutdown-grace seconds), then the server exits 0. A second signal
+during the drain exits at once, with 128 + the signal's number.
+Worst case from the first signal to the exit: shutdown_grace, then up to
+CLOSE_GRACE seconds for uvicorn to close connections, then up to 2 s for the worker thread.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pydantic_settings import CliApp
 
 from app.logs import configure_logging
 from app.main import create_app
+from app.memory import limit_arenas
 from app.service import EmbeddingService
 from app.settings import Settings
 from model import ModelError
@@ -33,6 +36,10 @@ from model.device import resolve_device
 from model.resolve import resolve_model_dir
 
 log = logging.getLogger("app")
+
+# Seconds uvicorn waits, after the drain, for connections to close (keep-alive ones close at
+# once; accepted requests have finished by then).
+CLOSE_GRACE = 3
 
 
 class DrainingServer(uvicorn.Server):
@@ -52,9 +59,18 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)  # type: ignore[arg-type]
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.service.draining or self._loop is None:
+        if self._loop is None:  # before start-up finished: nothing to drain
             super().handle_exit(sig, frame)
             return
+        if self.service.draining:
+            # uvicorn would start another graceful wait; an operator who signals twice
+            # wants the process gone now.
+            log.warning(
+                "second signal during the drain: exiting now, %d requests in flight",
+                self.service.inflight,
+            )
+            logging.shutdown()
+            os._exit(128 + sig)
         self.service.begin_drain()
         self._loop.call_soon_threadsafe(self._start_drain)
 
@@ -87,6 +103,8 @@ def load_settings(argv: list[str] | None) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Before any thread starts: a malloc arena per thread is what makes RSS creep.
+    limit_arenas()
     settings = load_settings(argv)
     configure_logging(settings.log_level, settings.log_format)
     try:
@@ -109,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
         port=settings.port,
         log_config=None,
         access_log=settings.access_log,
-        timeout_graceful_shutdown=max(1, int(settings.shutdown_grace)),
+        timeout_graceful_shutdown=CLOSE_GRACE,
+        # Connections and requests in progress past this get uvicorn's fast 503.
+        limit_concurrency=settings.max_connections,
     )
     server = DrainingServer(config, app.state.service, settings.shutdown_grace)
     server.run()

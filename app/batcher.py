@@ -26,6 +26,7 @@ import numpy.typing as npt
 import torch
 
 from app.errors import BackendError, OverloadedError, ServiceError
+from app.memory import Trimmer
 from app.metrics import Metrics
 from model import AttentionSpec, BatchOutput, Embedder, Encoded, finish
 
@@ -142,6 +143,7 @@ class Batcher:
         self._seconds = seconds_per_token * 1000
         self._tokens = 1000.0
         self.crashed: BaseException | None = None
+        self._trimmer = Trimmer()
 
     # State ----------------------------------------------------------------------------
     @property
@@ -203,6 +205,8 @@ class Batcher:
     def _run(self) -> None:
         try:
             while True:
+                # Hand what earlier batches freed back to the system (at most once a second).
+                self._trimmer.maybe_trim()
                 batch = self._next_batch()
                 if batch is None:
                     return
