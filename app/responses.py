@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 import orjson
+from starlette.responses import JSONResponse as StarletteJSONResponse
 from starlette.responses import Response
 
 from app.service import EncodeResult
@@ -24,8 +25,9 @@ FloatArray = npt.NDArray[np.float32]
 OFF_LOOP_VALUES = 100_000
 
 
-class JSONResponse(Response):
-    media_type = "application/json"
+class JSONResponse(StarletteJSONResponse):
+    """Starlette's JSONResponse rendered by orjson. A subclass of it, not of Response, so
+    that FastAPI documents each route's response_model rather than a string."""
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
