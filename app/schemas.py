@@ -8,20 +8,29 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from app.params import AttentionQuery, EncodeOptions, RawInput
 from model import Direction
 
+
+def _integral(value: object) -> object:
+    """JSON Schema counts 2.0 as an integer, so clients may send it; 2.5 stays an error."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# Integers are strict (no "3" for 3, no true for 1) but take integral floats, as the schema
+# says. The bound comes before the validator: after it, pydantic writes "ge", not "minimum".
+Integer = Annotated[StrictInt, BeforeValidator(_integral)]
 # Empty strings and id lists are answered with 400 (Empty), as OpenAI does.
 Text = Annotated[StrictStr, Field(min_length=1)]
-TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenId = Annotated[StrictInt, Field(ge=0), BeforeValidator(_integral)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Inputs = Text | TokenIds | Annotated[list[Text | TokenIds], Field(min_length=1)]
 INPUTS_DESCRIPTION = (
     "A string, a list of token ids, or a list mixing strings and lists of token ids."
 )
-Dimensions = Annotated[StrictInt, Field(ge=1)]
+Dimensions = Annotated[StrictInt, Field(ge=1), BeforeValidator(_integral)]
 
 
 class Request(BaseModel):
@@ -140,10 +149,10 @@ class OpenAIEmbeddingResponse(BaseModel):
 
 # /encode --------------------------------------------------------------------------------
 class AttentionRequest(Request):
-    layers: list[StrictInt] | None = Field(
+    layers: list[Integer] | None = Field(
         None, description="Layer indices (negative counts from the end); null: every layer."
     )
-    heads: list[StrictInt] | None = Field(None, description="Head indices; null: every head.")
+    heads: list[Integer] | None = Field(None, description="Head indices; null: every head.")
     reduce: Literal["none", "mean"] = Field("none", description="mean: average over the heads.")
 
     def query(self) -> AttentionQuery:
