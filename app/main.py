@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from app.handlers import install_handlers
 from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
+from app.openapi import bounded_openapi
 from app.responses import JSONResponse
 from app.routes import encode, openai, ops, playground, tei
 from app.service import EmbeddingService
@@ -58,6 +59,10 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
         # /docs and /redoc with assets from the app itself.
         docs_url=None,
         redoc_url=None,
+    )
+    # The schema states the loaded model's bounds (token ids, dimensions, ...) once it has them.
+    app.openapi = bounded_openapi(  # type: ignore[method-assign]
+        app, lambda: service.embedder.info if service.embedder else None, settings
     )
     app.state.settings = settings
     app.state.metrics = metrics

@@ -19,18 +19,39 @@ def _integral(value: object) -> object:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+# Where a bound depends on the loaded model or on the settings, the schema carries this key
+# naming it; app/openapi.py puts the value in once the model has loaded.
+BOUND = "x-bound"
+
+
+def bound(name: str) -> dict[str, str]:
+    return {BOUND: name}
+
+
 # Integers are strict (no "3" for 3, no true for 1) but take integral floats, as the schema
 # says. The bound comes before the validator: after it, pydantic writes "ge", not "minimum".
-Integer = Annotated[StrictInt, BeforeValidator(_integral)]
+LayerIndex = Annotated[
+    StrictInt, Field(json_schema_extra=bound("layer")), BeforeValidator(_integral)
+]
+HeadIndex = Annotated[StrictInt, Field(json_schema_extra=bound("head")), BeforeValidator(_integral)]
 # Empty strings and id lists are answered with 400 (Empty), as OpenAI does.
-Text = Annotated[StrictStr, Field(min_length=1)]
-TokenId = Annotated[StrictInt, Field(ge=0), BeforeValidator(_integral)]
+Text = Annotated[StrictStr, Field(min_length=1, json_schema_extra=bound("input_chars"))]
+TokenId = Annotated[
+    StrictInt, Field(ge=0, json_schema_extra=bound("token_id")), BeforeValidator(_integral)
+]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-Inputs = Text | TokenIds | Annotated[list[Text | TokenIds], Field(min_length=1)]
+Inputs = (
+    Text
+    | TokenIds
+    | Annotated[list[Text | TokenIds], Field(min_length=1, json_schema_extra=bound("inputs"))]
+)
 INPUTS_DESCRIPTION = (
     "A string, a list of token ids, or a list mixing strings and lists of token ids."
 )
-Dimensions = Annotated[StrictInt, Field(ge=1), BeforeValidator(_integral)]
+Dimensions = Annotated[
+    StrictInt, Field(ge=1, json_schema_extra=bound("dimensions")), BeforeValidator(_integral)
+]
+PromptName = Annotated[StrictStr, Field(json_schema_extra=bound("prompt_name"))]
 
 
 class Request(BaseModel):
@@ -54,7 +75,7 @@ class TruncatingRequest(Request):
     truncation_direction: Literal["right", "left", "Right", "Left"] = Field(
         "right", description="Which end of a long input is cut."
     )
-    prompt_name: StrictStr | None = Field(
+    prompt_name: PromptName | None = Field(
         None,
         description=(
             "A prompt from the model's sentence-transformers config, prepended; null: the "
@@ -149,10 +170,10 @@ class OpenAIEmbeddingResponse(BaseModel):
 
 # /encode --------------------------------------------------------------------------------
 class AttentionRequest(Request):
-    layers: list[Integer] | None = Field(
+    layers: list[LayerIndex] | None = Field(
         None, description="Layer indices (negative counts from the end); null: every layer."
     )
-    heads: list[Integer] | None = Field(None, description="Head indices; null: every head.")
+    heads: list[HeadIndex] | None = Field(None, description="Head indices; null: every head.")
     reduce: Literal["none", "mean"] = Field("none", description="mean: average over the heads.")
 
     def query(self) -> AttentionQuery:
