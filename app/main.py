@@ -60,10 +60,6 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
         docs_url=None,
         redoc_url=None,
     )
-    # The schema states the loaded model's bounds (token ids, dimensions, ...) once it has them.
-    app.openapi = bounded_openapi(  # type: ignore[method-assign]
-        app, lambda: service.embedder.info if service.embedder else None, settings
-    )
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.service = service
@@ -76,6 +72,11 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
         if module in PROTECTED_ROUTERS:
             protected.update(paths)
     install_handlers(app)
+    # The schema states the loaded model's bounds (token ids, dimensions, ...) once it has them,
+    # and the API key on the routes that need it.
+    app.openapi = bounded_openapi(  # type: ignore[method-assign]
+        app, lambda: service.embedder.info if service.embedder else None, settings, protected
+    )
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -1,15 +1,16 @@
-"""The OpenAPI schema with the bounds that depend on the loaded model and the settings.
+"""The OpenAPI schema with what depends on the loaded model and the settings.
 
 The request models mark such values with `x-bound` (app/schemas.py): token ids below the
 vocabulary size, dimensions up to the model's, layer and head indices, prompt names, inputs
 per request and characters per input. Once the model has loaded, the schema states them, so
 that a request the schema allows is one the service accepts; before that it carries the
-markers alone (the service answers nothing but 503 then).
+markers alone (the service answers nothing but 503 then). With an API key set, the routes
+that need it declare HTTP bearer authentication.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -19,6 +20,7 @@ from app.settings import Settings
 from model import ModelInfo
 
 OpenAPI = dict[str, Any]
+SECURITY_SCHEME = "apiKey"
 
 
 def bounds(info: ModelInfo, settings: Settings) -> dict[str, dict[str, Any]]:
@@ -47,16 +49,36 @@ def fill_bounds(node: Any, values: Mapping[str, Mapping[str, Any]]) -> None:
             fill_bounds(child, values)
 
 
+def declare_api_key(schema: OpenAPI, protected: Collection[str]) -> None:
+    schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+    schemes[SECURITY_SCHEME] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "The server's API key (--api-key), as 'Authorization: Bearer <key>'.",
+    }
+    for path, operations in schema["paths"].items():
+        if path in protected:
+            for operation in operations.values():
+                operation["security"] = [{SECURITY_SCHEME: []}]
+
+
 def bounded_openapi(
-    app: FastAPI, model: Callable[[], ModelInfo | None], settings: Settings
+    app: FastAPI,
+    model: Callable[[], ModelInfo | None],
+    settings: Settings,
+    protected: Collection[str],
 ) -> Callable[[], OpenAPI]:
     """A replacement for `app.openapi`: FastAPI's schema (built once and cached), with the
-    bounds filled in the first time it is asked for after the model has loaded."""
+    API key declared on the `protected` paths when one is set, and the bounds filled in the
+    first time it is asked for after the model has loaded."""
     filled = False
 
     def openapi() -> OpenAPI:
         nonlocal filled
+        built = app.openapi_schema is not None
         schema = FastAPI.openapi(app)
+        if not built and settings.api_key is not None:
+            declare_api_key(schema, protected)
         info = model()
         if not filled and info is not None:
             fill_bounds(schema, bounds(info, settings))
