@@ -170,10 +170,13 @@ class OpenAIEmbeddingResponse(BaseModel):
 
 # /encode --------------------------------------------------------------------------------
 class AttentionRequest(Request):
-    layers: list[LayerIndex] | None = Field(
+    # At least one index when given: no heads would average zero maps into NaN.
+    layers: Annotated[list[LayerIndex], Field(min_length=1)] | None = Field(
         None, description="Layer indices (negative counts from the end); null: every layer."
     )
-    heads: list[HeadIndex] | None = Field(None, description="Head indices; null: every head.")
+    heads: Annotated[list[HeadIndex], Field(min_length=1)] | None = Field(
+        None, description="Head indices; null: every head."
+    )
     reduce: Literal["none", "mean"] = Field("none", description="mean: average over the heads.")
 
     def query(self) -> AttentionQuery:
