@@ -76,7 +76,7 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     elif _is_empty_input(errors):
         error = EmptyInputError("an input is empty, or the request holds no input")
     else:
-        error = _first_problem(errors)
+        error = _not_unicode(errors) or _first_problem(errors)
     return error_response(request, error)
 
 
@@ -88,6 +88,21 @@ def _is_empty_input(errors: Sequence[Any]) -> bool:
         and [part for part in e.get("loc", ()) if part != "body"][:1] in (["inputs"], ["input"])
         for e in errors
     )
+
+
+def _not_unicode(errors: Sequence[Any]) -> ValidationFailedError | None:
+    """A lone surrogate ("\\ud800" is valid JSON) in a string: pydantic refuses it before the
+    tokenizer sees it; say so, rather than that a string was expected."""
+    for e in errors:
+        if e.get("type") == "string_unicode":
+            loc = [part for part in e.get("loc", ()) if part != "body"]
+            field = str(loc[0]) if loc else "body"
+            where = "".join(f"[{part}]" for part in loc if isinstance(part, int))
+            return ValidationFailedError(
+                f"{field}{where} is not valid Unicode: it holds a lone surrogate",
+                param=field,
+            )
+    return None
 
 
 def _first_problem(errors: Sequence[Any]) -> ValidationFailedError:
