@@ -140,6 +140,8 @@ class TextTokenizer:
                 )
                 was_cut = False
             result = self._from_encoding(index, encoding, truncate, was_cut=was_cut)
+            if was_cut and direction == "left":
+                result = _shift_offsets(result, len(prompt), len(text) - len(cut[index]))
             if keep_prompt:
                 result = self._cut_keeping_prompt(result, len(prompt))
             results[index] = replace(result, prompt_length=prompt_length)
@@ -248,6 +250,17 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._untruncated.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _shift_offsets(encoded: Encoded, start: int, shift: int) -> Encoded:
+    """A text cut on the left has offsets into the piece kept: move those of its tokens
+    (past the prompt's `start` characters; special tokens keep (0, 0)) into the whole text."""
+    assert encoded.offsets is not None, "texts have offsets"
+    offsets = [
+        (begin + shift, end + shift) if begin >= start and not special else (begin, end)
+        for (begin, end), special in zip(encoded.offsets, encoded.special, strict=True)
+    ]
+    return replace(encoded, offsets=offsets)
 
 
 def check_unicode(index: int, text: str) -> None:
