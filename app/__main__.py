@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         log_config=None,
         access_log=settings.access_log,
         timeout_graceful_shutdown=CLOSE_GRACE,
-        # Connections and requests in progress past this get uvicorn's fast 503.
-        limit_concurrency=settings.max_connections,
+        # Connections and requests in progress past this get uvicorn's fast 503. uvicorn counts
+        # the connection asking among those open, so N + 1 is what lets N connections in.
+        limit_concurrency=settings.max_connections + 1,
     )
     server = DrainingServer(config, app.state.service, settings.shutdown_grace)
     server.run()
