@@ -1,0 +1,174 @@
+"""Faults: a drain completes what each route accepted, a dead worker fails liveness, an
+out-of-memory batch is split down to its culprit, a failed batch fails each request alone."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from app.batcher import Ticket, Wants
+from app.errors import BackendError
+from model import Embedder
+from tests.app.conftest import GatedForward, make_settings, running_app, service_of, wait_until
+from tests.app.test_batching import make_batcher
+from tests.helpers import TINY_VOCAB
+
+pytestmark = pytest.mark.anyio
+FOX = TINY_VOCAB.index("fox")
+# Each inference route, a body for it, and how many vectors of the tiny model's 32 values
+# its answer holds.
+ROUTES: list[tuple[str, dict[str, Any]]] = [
+    ("/embed", {"inputs": ["hello", "world"]}),
+    ("/embed_all", {"inputs": "hello world"}),
+    ("/v1/embeddings", {"input": ["hello", "world"], "encoding_format": "base64"}),
+    ("/encode", {"inputs": "hello", "token_embeddings": True, "attention": {"layers": [0]}}),
+]
+
+
+def vectors(path: str, body: Any) -> np.ndarray:
+    """The answer's vectors as one (N, 32) array, whatever the route's shape."""
+    if path == "/embed":
+        return np.array(body, dtype=np.float32)
+    if path == "/embed_all":
+        return np.concatenate([np.array(item, dtype=np.float32) for item in body])
+    if path == "/v1/embeddings":
+        raw = [base64.b64decode(item["embedding"]) for item in body["data"]]
+        return np.stack([np.frombuffer(item, dtype="<f4") for item in raw])
+    [item] = body["data"]
+    return np.array([item["embedding"], *item["token_embeddings"]], dtype=np.float32)
+
+
+async def test_a_drain_completes_what_every_inference_route_accepted(
+    tiny_checkpoint: Path,
+) -> None:
+    async with running_app(make_settings(tiny_checkpoint, max_batch_inputs=1)) as (app, client):
+        service = service_of(app)
+        expected = {path: (await client.post(path, json=body)).json() for path, body in ROUTES}
+        gate = GatedForward(service)
+        gate.gate.clear()
+        accepted = {
+            path: asyncio.create_task(client.post(path, json=body)) for path, body in ROUTES
+        }
+        # All four are in: one in the held forward pass, the others' inputs queued.
+        await wait_until(lambda: service.inflight == len(ROUTES))
+        service.begin_drain()
+        refused = await client.post("/embed", json={"inputs": "too late"})
+        health = await client.get("/health")
+        gate.gate.set()
+        done = {path: await task for path, task in accepted.items()}
+        assert await service.wait_idle(10)
+    assert refused.status_code == 503 and health.status_code == 503
+    for path, response in done.items():
+        assert response.status_code == 200, (path, response.text)
+        got, want = vectors(path, response.json()), vectors(path, expected[path])
+        assert got.shape == want.shape and got.shape[1] == 32
+        assert np.abs(got - want).max() <= 1e-5, path
+    assert done["/encode"].json()["data"][0]["attention"][0]["layer"] == 0
+
+
+# Pytest turns an exception that ends a thread into a warning, and this suite's warnings into
+# errors: here the worker's death is the point.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+async def test_a_dead_worker_fails_liveness_and_what_waits(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with running_app(make_settings(tiny_checkpoint, max_batch_inputs=1)) as (app, client):
+        service = service_of(app)
+        batcher = service.batcher
+        assert batcher is not None
+        gate = GatedForward(service)
+        gate.gate.clear()
+        running = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
+        await asyncio.to_thread(gate.entered.wait, 10)
+        queued = asyncio.create_task(client.post("/embed", json={"inputs": "world"}))
+        await wait_until(lambda: batcher.depth == 1)
+        assert (await client.get("/live")).status_code == 200
+
+        def broken() -> None:
+            raise RuntimeError("injected: the worker's loop broke")
+
+        # The test hook: the worker's next look at the queue raises, outside any forward pass.
+        monkeypatch.setattr(batcher, "_next_batch", broken)
+        with caplog.at_level(logging.CRITICAL, logger="app.batcher"):
+            gate.gate.set()
+            finished, failed = await running, await queued
+            await wait_until(lambda: not batcher.alive)
+        live = await client.get("/live")
+        health = await client.get("/health")
+        after = await client.post("/embed", json={"inputs": "hello"})
+    assert finished.status_code == 200  # the batch already running was delivered
+    assert failed.status_code == 500
+    assert failed.json()["error"].startswith("the batch worker has stopped")
+    assert live.status_code == 503
+    assert live.json()["error"] == "the batch worker has stopped; the process needs a restart"
+    assert health.status_code == 503 and after.status_code == 503
+    assert "the batch worker stopped" in caplog.text
+
+
+async def test_out_of_memory_splits_the_batch_down_to_the_culprit(tiny_checkpoint: Path) -> None:
+    async with running_app(make_settings(tiny_checkpoint)) as (app, client):
+        gate = GatedForward(service_of(app))
+        batcher = service_of(app).batcher
+        assert batcher is not None
+        gate.error = lambda: torch.OutOfMemoryError("injected: CUDA out of memory")
+        # Any batch holding "fox" runs out of memory, as a too-long input would.
+        gate.fail_when = lambda batch: any(FOX in ids for ids in batch)
+        gate.gate.clear()
+        held = asyncio.create_task(client.post("/embed", json={"inputs": "dog"}))
+        await asyncio.to_thread(gate.entered.wait, 10)
+        texts = ["hello", "world", "fox", "quick"]
+        tasks = [asyncio.create_task(client.post("/embed", json={"inputs": t})) for t in texts]
+        await wait_until(lambda: batcher.depth == len(texts))
+        gate.gate.set()
+        responses = dict(zip(texts, await asyncio.gather(*tasks), strict=True))
+        await held
+        batches = gate.batches[1:]
+        after = await client.post("/embed", json={"inputs": "fox jumps"})
+        health = await client.get("/health")
+    fox = responses.pop("fox")
+    assert fox.status_code == 500 and fox.json()["error_type"] == "Backend"
+    assert fox.json()["error"].startswith("out of memory on this input alone")
+    assert all(r.status_code == 200 for r in responses.values())
+    # The batch of four, its halves, and the culprit's half in halves: every healthy input
+    # ran once, in the half without the culprit or alone.
+    assert [len(batch) for batch in batches] == [4, 2, 2, 1, 1]
+    assert sum(1 for batch in batches for ids in batch if FOX in ids) == 3
+    assert after.status_code == 500 and health.status_code == 200  # the worker carries on
+
+
+async def test_a_failed_batch_gives_each_request_its_own_error(
+    tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One exception object shared by several futures would gather every awaiting task's
+    traceback onto it (and leak them); each request gets its own."""
+    batcher = make_batcher(tiny_embedder, max_batch_inputs=8, batch_wait=0.5)
+
+    def broken(batch: object) -> None:
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(batcher, "_forward", broken)
+    loop = asyncio.get_running_loop()
+    tickets = [
+        Ticket(tiny_embedder.tokenize([text]), Wants(), loop.create_future())
+        for text in ("hello", "world", "fox")
+    ]
+    for ticket in tickets:
+        batcher.submit(ticket)
+    batcher.start(loop)
+    try:
+        errors = []
+        for ticket in tickets:
+            with pytest.raises(BackendError) as caught:
+                await asyncio.wait_for(ticket.future, timeout=10)
+            errors.append(caught.value)
+    finally:
+        batcher.stop()
+    assert len({id(error) for error in errors}) == 3
+    assert all(error.message == "the model failed on this input's batch" for error in errors)
