@@ -249,6 +249,9 @@ class Batcher:
         if len(kept) != len(self._queue):
             self._queued_tokens = sum(item.length for item in kept)
             self._queue = kept
+            # Also when nothing is left: the worker then sleeps, and /metrics must not go on
+            # counting what was dropped.
+            self._set_gauges()
 
     def _wait_for_fuller_batch(self) -> None:
         """Clients answered a moment ago come back within milliseconds: while inputs keep
