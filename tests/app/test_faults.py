@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from app.batcher import Ticket, Wants
-from app.errors import BackendError
+from app.errors import BackendError, ClientDisconnectedError
+from app.params import EncodeOptions
 from model import Embedder
 from tests.app.conftest import GatedForward, make_settings, running_app, service_of, wait_until
 from tests.app.test_batching import make_batcher
@@ -172,3 +173,35 @@ async def test_a_failed_batch_gives_each_request_its_own_error(
         batcher.stop()
     assert len({id(error) for error in errors}) == 3
     assert all(error.message == "the model failed on this input's batch" for error in errors)
+
+
+async def test_inputs_dropped_for_gone_clients_leave_the_queue_gauges_at_zero(
+    tiny_checkpoint: Path,
+) -> None:
+    """Found by bench/soak.py: the queue emptied of abandoned inputs, but /metrics went on
+    saying it held them."""
+    async with running_app(make_settings(tiny_checkpoint, max_batch_inputs=1)) as (app, client):
+        service = service_of(app)
+        batcher = service.batcher
+        assert batcher is not None
+        gate = GatedForward(service)
+        gate.gate.clear()
+        held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
+        await asyncio.to_thread(gate.entered.wait, 10)
+
+        async def gone() -> None:
+            await asyncio.sleep(0.05)
+
+        with pytest.raises(ClientDisconnectedError):
+            await service.encode(["fox", "dog"], EncodeOptions(), gone)
+        assert batcher.depth == 2  # queued, abandoned, not yet dropped
+        gate.gate.set()
+        await held
+        await wait_until(lambda: batcher.depth == 0)  # dropped by the worker
+        registry = service.metrics.registry
+        # The gauges follow (a moment later: they are set from the worker thread).
+        await wait_until(lambda: registry.get_sample_value("embed_queue_depth") == 0, 5)
+        metrics = (await client.get("/metrics")).text
+    assert "embed_queue_depth 0.0" in metrics
+    assert "embed_queue_tokens 0.0" in metrics
+    assert not any(FOX in ids for batch in gate.batches for ids in batch)
