@@ -5,8 +5,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 TORCH := torch==2.13.0
-# Debian packages the tests drive for real (installed when missing; needs root or sudo).
-APT_PACKAGES := chromium
+# Debian packages the tests drive for real (installed when missing; needs root or sudo):
+# Chromium for tests/browser, wrk for the soak test (tests/bench).
+APT_PACKAGES := chromium wrk
 
 .PHONY: install serve dev system-deps lint test bench
 

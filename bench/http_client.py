@@ -25,7 +25,10 @@ class Connection:
         return cls(reader, writer, host)
 
     async def post_json(self, path: str, body: Any) -> tuple[int, bytes]:
-        payload = orjson.dumps(body)
+        return await self.post(path, orjson.dumps(body))
+
+    async def post(self, path: str, payload: bytes) -> tuple[int, bytes]:
+        """Send a JSON body as it is; the status and the body of the answer."""
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
