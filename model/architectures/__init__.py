@@ -12,12 +12,14 @@ from typing import Any
 
 from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput
 from model.architectures.bert import BertConfig
+from model.architectures.distilbert import DistilBertConfig
 from model.errors import ConfigError
 
 ARCHITECTURES: dict[str, type[EncoderConfig]] = {
     "bert": BertConfig,
     "roberta": BertConfig,
     "xlm-roberta": BertConfig,
+    "distilbert": DistilBertConfig,
 }
 
 
@@ -37,6 +39,7 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> Encod
 __all__ = [
     "ARCHITECTURES",
     "BertConfig",
+    "DistilBertConfig",
     "Encoder",
     "EncoderConfig",
     "EncoderOutput",
