@@ -13,6 +13,7 @@ from typing import Any
 from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput
 from model.architectures.bert import BertConfig
 from model.architectures.distilbert import DistilBertConfig
+from model.architectures.mpnet import MPNetConfig
 from model.errors import ConfigError
 
 ARCHITECTURES: dict[str, type[EncoderConfig]] = {
@@ -20,6 +21,7 @@ ARCHITECTURES: dict[str, type[EncoderConfig]] = {
     "roberta": BertConfig,
     "xlm-roberta": BertConfig,
     "distilbert": DistilBertConfig,
+    "mpnet": MPNetConfig,
 }
 
 
@@ -43,5 +45,6 @@ __all__ = [
     "Encoder",
     "EncoderConfig",
     "EncoderOutput",
+    "MPNetConfig",
     "config_from_hf",
 ]

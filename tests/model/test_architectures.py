@@ -20,7 +20,7 @@ from model.architectures import config_from_hf
 from tests.helpers import TINY_VOCAB, every_map, write_sentence_transformers_files
 
 TOLERANCE = 1e-5
-# Mixed lengths, up to the longest the checkpoints number.
+# Mixed lengths; 130 tokens reach MPNet's farthest (clamped) buckets.
 LENGTHS = [9, 130, 3, 41, 1]
 MAX_SEQ_LENGTH = 150
 SHARED: dict[str, Any] = {"vocab_size": len(TINY_VOCAB), "max_position_embeddings": 160}
@@ -32,11 +32,25 @@ ARCHITECTURES: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = {
         transformers.DistilBertForMaskedLM,
         {"dim": 32, "n_layers": 2, "n_heads": 4, "hidden_dim": 48, "pad_token_id": 0},
     ),
+    "mpnet": (
+        transformers.MPNetConfig,
+        transformers.MPNetModel,
+        transformers.MPNetForMaskedLM,
+        {
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 48,
+            "pad_token_id": 1,
+        },
+    ),
 }
 CASES = [
     ("distilbert", {}),
     ("distilbert", {"activation": "relu"}),
     ("distilbert", {"sinusoidal_pos_embds": True}),
+    ("mpnet", {}),
+    ("mpnet", {"hidden_act": "relu"}),
 ]
 LAYOUTS = pytest.mark.parametrize("threshold", [0.0, 1.1], ids=["packed", "grid"])
 
@@ -148,6 +162,12 @@ def test_task_model_prefix_is_read(tmp_path: Path, model_type: str) -> None:
     ("model_type", "change", "message"),
     [
         ("distilbert", {"activation": "swish"}, "unsupported activation 'swish'"),
+        ("mpnet", {"hidden_act": "tanh"}, "unsupported hidden_act 'tanh'"),
+        (
+            "mpnet",
+            {"relative_attention_num_buckets": 64},
+            "unsupported relative_attention_num_buckets 64",
+        ),
     ],
 )
 def test_unsupported_value_is_refused_by_name(
