@@ -13,6 +13,7 @@ from typing import Any
 from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput
 from model.architectures.bert import BertConfig
 from model.architectures.distilbert import DistilBertConfig
+from model.architectures.modernbert import ModernBertConfig
 from model.architectures.mpnet import MPNetConfig
 from model.errors import ConfigError
 
@@ -22,6 +23,7 @@ ARCHITECTURES: dict[str, type[EncoderConfig]] = {
     "xlm-roberta": BertConfig,
     "distilbert": DistilBertConfig,
     "mpnet": MPNetConfig,
+    "modernbert": ModernBertConfig,
 }
 
 
@@ -46,5 +48,6 @@ __all__ = [
     "EncoderConfig",
     "EncoderOutput",
     "MPNetConfig",
+    "ModernBertConfig",
     "config_from_hf",
 ]

@@ -16,11 +16,12 @@ import torch
 import transformers
 
 from model import ConfigError, Embedder, packing
-from model.architectures import config_from_hf
+from model.architectures import ModernBertConfig, config_from_hf
 from tests.helpers import TINY_VOCAB, every_map, write_sentence_transformers_files
 
 TOLERANCE = 1e-5
-# Mixed lengths; 130 tokens reach MPNet's farthest (clamped) buckets.
+# Mixed lengths; 130 tokens reach MPNet's farthest (clamped) buckets and span many of
+# ModernBERT's local windows (local_attention 8: 4 tokens each side).
 LENGTHS = [9, 130, 3, 41, 1]
 MAX_SEQ_LENGTH = 150
 SHARED: dict[str, Any] = {"vocab_size": len(TINY_VOCAB), "max_position_embeddings": 160}
@@ -44,6 +45,28 @@ ARCHITECTURES: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = {
             "pad_token_id": 1,
         },
     ),
+    "modernbert": (
+        transformers.ModernBertConfig,
+        transformers.ModernBertModel,
+        transformers.ModernBertForMaskedLM,
+        {
+            "hidden_size": 32,
+            "num_hidden_layers": 3,  # global, local, global
+            "num_attention_heads": 4,
+            "intermediate_size": 48,
+            "local_attention": 8,
+            "global_attn_every_n_layers": 2,
+            # Far from the defaults and from each other, so that swapping them shows.
+            "global_rope_theta": 1000.0,
+            "local_rope_theta": 50.0,
+            # Special tokens inside the tiny vocabulary.
+            "pad_token_id": 0,
+            "bos_token_id": 2,
+            "cls_token_id": 2,
+            "eos_token_id": 3,
+            "sep_token_id": 3,
+        },
+    ),
 }
 CASES = [
     ("distilbert", {}),
@@ -51,6 +74,8 @@ CASES = [
     ("distilbert", {"sinusoidal_pos_embds": True}),
     ("mpnet", {}),
     ("mpnet", {"hidden_act": "relu"}),
+    ("modernbert", {}),
+    ("modernbert", {"attention_bias": True, "mlp_bias": True, "norm_bias": True}),
 ]
 LAYOUTS = pytest.mark.parametrize("threshold", [0.0, 1.1], ids=["packed", "grid"])
 
@@ -158,6 +183,18 @@ def test_task_model_prefix_is_read(tmp_path: Path, model_type: str) -> None:
     assert max(hidden, attention) <= TOLERANCE
 
 
+def test_modernbert_older_config_reads_the_same() -> None:
+    """Configs on the Hub predate `layer_types` and `rope_parameters`."""
+    current = hf_config("modernbert").to_dict()
+    older = {k: v for k, v in current.items() if k not in ("layer_types", "rope_parameters")}
+    older |= {"global_rope_theta": 1000.0, "local_rope_theta": 50.0}
+    config = config_from_hf(older)
+    assert config == config_from_hf(current)
+    assert isinstance(config, ModernBertConfig)
+    assert config.global_layers == (True, False, True)
+    assert (config.global_rope_theta, config.local_rope_theta, config.local_window) == (1e3, 50, 4)
+
+
 @pytest.mark.parametrize(
     ("model_type", "change", "message"),
     [
@@ -168,6 +205,21 @@ def test_task_model_prefix_is_read(tmp_path: Path, model_type: str) -> None:
             {"relative_attention_num_buckets": 64},
             "unsupported relative_attention_num_buckets 64",
         ),
+        ("modernbert", {"hidden_activation": "silu"}, "unsupported hidden_activation 'silu'"),
+        ("modernbert", {"norm_bias": "yes"}, "unsupported norm_bias 'yes'"),
+        ("modernbert", {"rope_scaling": {"rope_type": "yarn"}}, "unsupported rope_scaling"),
+        (
+            "modernbert",
+            {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0}}},
+            "rope_parameters.full_attention: unsupported rope_type 'linear'",
+        ),
+        (
+            "modernbert",
+            {"layer_types": ["full_attention", "chunked_attention", "full_attention"]},
+            "unsupported layer_types entry 'chunked_attention'",
+        ),
+        ("modernbert", {"layer_types": ["full_attention"]}, "one type for each of 3 layers"),
+        ("modernbert", {"hidden_size": 24, "num_attention_heads": 8}, "even head dimension"),
     ],
 )
 def test_unsupported_value_is_refused_by_name(
