@@ -200,6 +200,17 @@ class Embedder:
             prompt=self.prompt(prompt_name),
         )
 
+    def tokenize_pairs(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        *,
+        truncate: bool = True,
+        direction: Direction = "right",
+    ) -> list[Encoded]:
+        """Pairs of texts (a query and a text, for a cross-encoder) by the tokenizer's pair
+        template, cut longest-first as transformers does."""
+        return self.tokenizer.encode_pairs(pairs, truncate=truncate, direction=direction)
+
     def forward(
         self,
         batch: Sequence[ModelInput],
