@@ -7,6 +7,7 @@ types, or RoBERTa's (`<s> A </s></s> B </s>`, spelled with this vocabulary's [CL
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, processors
 
+from model.heads import Splade
 from tests.helpers import TINY_CONFIG, TINY_VOCAB, tiny_tokenizer
 
 # model_type -> (config class, its values beyond TINY_CONFIG)
@@ -96,3 +98,30 @@ def save_task_model(
     )
     fast.save_pretrained(folder)
     return reference
+
+
+def write_splade_folder(folder: Path, splade: Splade) -> None:
+    """The files sentence-transformers 5.4 and later saves around a fill-mask Transformer."""
+    (folder / "1_SpladePooling").mkdir()
+    pooling = {
+        "pooling_strategy": splade.pooling_strategy,
+        "activation_function": splade.activation_function,
+        "embedding_dimension": None,
+    }
+    (folder / "1_SpladePooling" / "config.json").write_text(json.dumps(pooling))
+    modules = [
+        {
+            "idx": 0,
+            "name": "0",
+            "path": "",
+            "type": "sentence_transformers.base.modules.transformer.Transformer",
+        },
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_SpladePooling",
+            "type": "sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling",
+        },
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"transformer_task": "fill-mask"}))
