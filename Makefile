@@ -22,8 +22,14 @@ install: $(BIN)/python
 serve: install
 	$(BIN)/python -m app $(ARGS)
 
+# langchain-huggingface caps huggingface_hub below 2 and, from 1.2.2 on, refuses an endpoint
+# URL; 1.2.1 is the last that talks to a self-hosted server. Without its dependencies, so that
+# the tests run against the huggingface_hub users have now.
+LANGCHAIN_HUGGINGFACE := langchain-huggingface==1.2.1
+
 dev: install
 	$(PIP) -c constraints.txt -e '.[dev]'
+	$(PIP) --no-deps $(LANGCHAIN_HUGGINGFACE)
 
 system-deps:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 # Routers whose routes need the API key when one is set (and /info). Probes, metrics, the
 # docs and the pages stay open: orchestrators and people call them without a key.
 PROTECTED_ROUTERS = (tei, openai, encode)
-PROTECTED_PATHS = frozenset({"/info"})
+PROTECTED_ROUTES = frozenset({("GET", "/info")})
 
 
 def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
@@ -63,13 +63,14 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
     app.state.metrics = metrics
     app.state.service = service
     routes: set[str] = set()
-    protected = set(PROTECTED_PATHS)
+    protected = set(PROTECTED_ROUTES)
     for module in (tei, openai, encode, ops, playground):
         app.include_router(module.router)
-        paths = {getattr(route, "path", "") for route in module.router.routes}
-        routes.update(paths)
-        if module in PROTECTED_ROUTERS:
-            protected.update(paths)
+        for route in module.router.routes:
+            path = getattr(route, "path", "")
+            routes.add(path)
+            if module in PROTECTED_ROUTERS:
+                protected.update((method, path) for method in getattr(route, "methods", ()))
     install_handlers(app)
     if settings.cors_origins:
         app.add_middleware(

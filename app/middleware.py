@@ -34,7 +34,7 @@ class ServiceMiddleware:
         payload_limit: int,
         body_timeout: float,
         routes: Container[str],
-        protected: Container[str],
+        protected: Container[tuple[str, str]],
         api_key: str | None,
     ) -> None:
         self.app = app
@@ -76,7 +76,7 @@ class ServiceMiddleware:
             await send(message)
 
         try:
-            self._check_key(path, headers)
+            self._check_key(scope["method"], path, headers)
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 receive = await self._read_body(headers, receive)
             await self.app(scope, receive, send_with_id)
@@ -96,9 +96,9 @@ class ServiceMiddleware:
             if route != "other":
                 self.metrics.request_seconds.observe(time.perf_counter() - started)
 
-    def _check_key(self, path: str, headers: dict[bytes, bytes]) -> None:
+    def _check_key(self, method: str, path: str, headers: dict[bytes, bytes]) -> None:
         """Inference and /info need `Authorization: Bearer <key>` when an API key is set."""
-        if self.api_key is None or path not in self.protected:
+        if self.api_key is None or (method, path) not in self.protected:
             return
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.api_key):

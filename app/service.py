@@ -11,9 +11,11 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from app.batcher import Batcher, ItemResult, Ticket, Wants
@@ -27,12 +29,30 @@ from app.limits import Limits
 from app.metrics import Metrics
 from app.params import EncodeOptions, RawInput
 from app.settings import Settings
-from model import AttentionSpec, Embedder, Encoded, InputError, ModelInfo, PromptError
+from model import (
+    AttentionSpec,
+    Embedder,
+    Encoded,
+    InputError,
+    ModelInfo,
+    PromptError,
+    TokenIdError,
+)
+from model.similarity import similarity
 
 log = logging.getLogger(__name__)
 
+FloatArray = npt.NDArray[np.float32]
+# Said with every out-of-vocabulary id: the usual source is a client that tokenizes itself.
+TOKEN_ID_HINT = (
+    "token ids must come from this model's tokenizer (LangChain's OpenAIEmbeddings sends "
+    "tiktoken ids unless check_embedding_ctx_length=False)"
+)
+
 # Makes a coroutine that completes when the client goes away.
 DisconnectWatch = Callable[[], Coroutine[Any, Any, None]]
+# Threads that tokenize large requests, beside the event loop and the batch worker.
+TOKENIZER_THREADS = 2
 # Requests with fewer characters than this are tokenized on the event loop: for a sentence,
 # the hop to a thread costs more than the tokenizing.
 INLINE_TOKENIZE_CHARS = 2048
@@ -46,6 +66,7 @@ def warm_up_batch(embedder: Embedder) -> list[Encoded]:
 
 @dataclass(frozen=True, slots=True)
 class Timings:
+    started: float  # perf_counter() when the request reached the service
     tokenization: float
     queue: float
     inference: float
@@ -58,10 +79,15 @@ class EncodeResult:
     items: list[ItemResult]
     timings: Timings
     attention: AttentionSpec | None = None  # the maps computed, resolved against the model
+    char_count: int = 0  # characters of the text inputs
 
     @property
     def token_count(self) -> int:
         return sum(len(e.ids) for e in self.encoded)
+
+    def vectors(self) -> FloatArray:
+        """(N, D) float32, C-contiguous: every input's finished pooled vector."""
+        return np.stack([item.embedding for item in self.items if item.embedding is not None])
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +107,15 @@ class EmbeddingService:
         self.embedder: Embedder | None = None
         self.batcher: Batcher | None = None
         self.warmed_up = False
+        self.loaded_at = 0  # Unix seconds, once the model is loaded
         self.draining = False
         self.load_error: str | None = None
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._tokenizer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self._tokenizer_pool = ThreadPoolExecutor(
+            max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize"
+        )
 
     # Lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -108,6 +137,7 @@ class EmbeddingService:
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
         self.embedder = embedder
+        self.loaded_at = int(time.time())
         info = embedder.info
         self.metrics.model_info.labels(info.model_id, info.dtype, info.device).set(1)
         self.batcher = Batcher(
@@ -210,7 +240,8 @@ class EmbeddingService:
     ) -> EncodeResult:
         """Check, tokenize, queue every input, and wait for all results (timeout and
         disconnect aware)."""
-        deadline = time.perf_counter() + self.settings.request_timeout
+        started = time.perf_counter()
+        deadline = started + self.settings.request_timeout
         embedder = self._enter()
         try:
             info = embedder.info
@@ -233,8 +264,40 @@ class EmbeddingService:
         self.metrics.tokens.inc(tokens)
         for e in encoded:
             self.metrics.input_tokens.observe(len(e.ids))
-        timings = Timings(tokenization, queued, inference)
-        return EncodeResult(info, encoded, results, timings, attention)
+        timings = Timings(started, tokenization, queued, inference)
+        chars = sum(len(item) for item in inputs if isinstance(item, str))
+        return EncodeResult(info, encoded, results, timings, attention, chars)
+
+    async def similarity(
+        self,
+        source: str,
+        sentences: Sequence[str],
+        options: EncodeOptions,
+        disconnected: DisconnectWatch | None = None,
+    ) -> tuple[FloatArray, EncodeResult]:
+        """Scores of each sentence against the source, by the model's similarity function,
+        on its vectors as the model gives them (normalised if its modules normalise)."""
+        info = self.check_ready().info
+        own = replace(options, normalize=info.normalize, dimensions=None)
+        result = await self.encode([source, *sentences], own, disconnected)
+        vectors = result.vectors()
+        return similarity(vectors[0], vectors[1:], info.similarity_fn_name), result
+
+    def decode(self, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool) -> list[str]:
+        embedder = self.check_ready()
+        vocabulary = embedder.info.vocab_size
+        for row, sequence in enumerate(ids):
+            for position, token_id in enumerate(sequence):
+                if token_id >= vocabulary:
+                    raise ValidationFailedError(
+                        f"ids {row}: token id {token_id} at position {position} is outside the "
+                        f"vocabulary [0, {vocabulary})",
+                        param="ids",
+                    )
+        return [
+            embedder.tokenizer.decode(sequence, skip_special_tokens=skip_special_tokens)
+            for sequence in ids
+        ]
 
     def _enter(self) -> Embedder:
         """Count an accepted request, so that a drain waits for it."""
@@ -283,6 +346,8 @@ class EmbeddingService:
             else:
                 loop = asyncio.get_running_loop()
                 encoded = await loop.run_in_executor(self._tokenizer_pool, run)
+        except TokenIdError as exc:
+            raise ValidationFailedError(f"{exc}; {TOKEN_ID_HINT}", param="input") from exc
         except InputError as exc:
             raise ValidationFailedError(str(exc), param="input") from exc
         seconds = time.perf_counter() - started

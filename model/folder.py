@@ -18,6 +18,7 @@ from typing import Any
 from model.checkpoint import read_json, read_json_object
 from model.errors import ConfigError
 from model.pipeline import ACTIVATIONS, DenseSpec, Pooling, PoolingMode
+from model.similarity import check_similarity_fn
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +269,7 @@ def _read_metadata(path: Path) -> dict[str, Any]:
     if default is not None and default not in prompts:
         raise ConfigError(f"{path}: default_prompt_name {default!r} is not one of the prompts")
     similarity = raw.get("similarity_fn_name") or "cosine"
+    check_similarity_fn(similarity, str(path))
     return {"prompts": prompts, "default_prompt_name": default, "similarity_fn_name": similarity}
 
 
