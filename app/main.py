@@ -58,6 +58,9 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
         # /docs and /redoc with assets from the app itself.
         docs_url=None,
         redoc_url=None,
+        # FastAPI's own OpenTelemetry hooks ask for a provider on every request; this service
+        # reports through its Prometheus metrics instead.
+        telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
     app.state.settings = settings
     app.state.metrics = metrics

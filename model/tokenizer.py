@@ -126,7 +126,7 @@ class TextTokenizer:
         )
         cut = {index: self._cut(text, direction) for index, text in texts}
         batch = [prompt + cut[index] for index, _ in texts]
-        encodings = tokenizer.encode_batch(batch, add_special_tokens=add_special_tokens)
+        encodings = _encode(tokenizer, batch, add_special_tokens)
         prompt_length = self.prompt_length(prompt) if prompt else 0
         results: dict[int, Encoded] = {}
         for (index, text), encoding in zip(texts, encodings, strict=True):
@@ -135,9 +135,7 @@ class TextTokenizer:
                 encoding, untruncated=tokenizer is self._untruncated
             ):
                 # The cut text does not overflow by the margin: tokenize the whole text.
-                [encoding] = tokenizer.encode_batch(
-                    [prompt + text], add_special_tokens=add_special_tokens
-                )
+                [encoding] = _encode(tokenizer, [prompt + text], add_special_tokens)
                 was_cut = False
             result = self._from_encoding(index, encoding, truncate, was_cut=was_cut)
             if keep_prompt:
@@ -173,7 +171,7 @@ class TextTokenizer:
         """Tokens of the prompt tokenized alone, less a trailing special token (as
         sentence-transformers measures it)."""
         if prompt not in self._prompt_lengths:
-            [alone] = self._untruncated.encode_batch([prompt])
+            [alone] = _encode(self._untruncated, [prompt], True)
             length = len(alone.ids)
             if alone.special_tokens_mask and alone.special_tokens_mask[-1]:
                 length -= 1
@@ -248,6 +246,14 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._untruncated.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _encode(tokenizer: Tokenizer, texts: list[str], add_special_tokens: bool) -> list[Encoding]:
+    """One text through `encode`: `encode_batch` hands even a single text to the library's
+    thread pool, which costs more than the tokenizing itself (measured on the event loop)."""
+    if len(texts) == 1:
+        return [tokenizer.encode(texts[0], add_special_tokens=add_special_tokens)]
+    return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
 
 
 def check_unicode(index: int, text: str) -> None:
