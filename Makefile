@@ -5,10 +5,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 TORCH := torch==2.13.0
-# Debian packages the tests drive for real (installed when missing; needs root or sudo).
-APT_PACKAGES :=
+# Debian packages the tests drive for real (installed when missing; needs root or sudo):
+# haproxy and prometheus run deploy/'s files in tests/deploy/test_compose_topology.py.
+APT_PACKAGES := haproxy prometheus
 
-.PHONY: install serve dev system-deps lint test bench
+.PHONY: install serve dev system-deps lint test bench deploy-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,3 +47,8 @@ bench:
 	$(BIN)/python -m bench.layers
 	$(BIN)/python -m bench.server
 	$(BIN)/python -m bench.batch_wait
+
+# The compose topology (HAProxy, Prometheus, two replicas) without Docker; `make test` runs it too.
+deploy-test: dev system-deps
+	$(BIN)/python -m pytest tests/deploy -v -rP
+
