@@ -8,8 +8,11 @@ TORCH := torch==2.13.0
 # Debian packages the tests drive for real (installed when missing; needs root or sudo):
 # haproxy and prometheus run deploy/'s files in tests/deploy/test_compose_topology.py.
 APT_PACKAGES := haproxy prometheus
+# Only for `make docker-test`: a private Docker engine, a locally built base image, and
+# Debian's docker-compose for a smoke test of docker-compose.yml.
+DOCKER_TEST_PACKAGES := docker.io debootstrap docker-compose
 
-.PHONY: install serve dev system-deps lint test bench deploy-test
+.PHONY: install serve dev system-deps lint test bench deploy-test docker-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,3 +55,8 @@ bench:
 deploy-test: dev system-deps
 	$(BIN)/python -m pytest tests/deploy -v -rP
 
+# Builds and runs the image on a private Docker engine: root, several minutes, PyPI access.
+# Not run by CI (see README, Deploying). ARGS="--rebuild-base --keep-engine" are its options.
+docker-test: dev
+	$(MAKE) system-deps APT_PACKAGES="$(DOCKER_TEST_PACKAGES)"
+	$(BIN)/python -m tests.deploy.docker_image $(ARGS)
