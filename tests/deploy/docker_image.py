@@ -451,7 +451,7 @@ def compose_smoke(engine: Engine) -> str:
 def image_size(engine: Engine) -> str:
     size = int(engine.docker("image", "inspect", "--format", "{{.Size}}", IMAGE))
     history = engine.docker("history", "--no-trunc", "--format", "{{.Size}}\t{{.CreatedBy}}", IMAGE)
-    parts = {"source=deploy/wheels": "torch", "constraints.txt -r": "dependencies and model"}
+    parts = {"/wheels/": "torch", "constraints.txt -r": "dependencies and model"}
     layers = [
         f"{name} {line.split(chr(9))[0]}"
         for line in history.splitlines()
