@@ -516,6 +516,10 @@ def main(argv: list[str] | None = None) -> None:
         summary["docker-compose.yml (embed service)"] = compose_smoke(engine)
     finally:
         engine.docker("rm", "-f", CONTAINER, check=False)
+        # Earlier runs' images and the build cache would otherwise pile up by gigabytes under
+        # STATE; the last image and the base image stay.
+        engine.docker("image", "prune", "--force", check=False)
+        engine.docker("builder", "prune", "--all", "--force", check=False)
         if not args.keep_engine:
             engine.stop()
     say("summary")
