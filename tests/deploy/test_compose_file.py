@@ -85,3 +85,16 @@ def test_haproxy_waits_longer_than_the_service_and_retries_only_what_is_safe() -
     assert "http-buffer-request" in haproxy_directive("option")
     (check,) = haproxy_directive("option httpchk")
     assert check == "GET /health"
+
+
+def test_haproxy_keeps_each_replica_under_its_connection_limit() -> None:
+    (server,) = haproxy_directive("default-server")
+    words = server.split()
+    per_replica = int(words[words.index("maxconn") + 1])
+    # The service's connection limit (max_connections, 1024 by default, from the version that
+    # has one; without it uvicorn has none): its 503 would also fail HAProxy's /health checks.
+    field = Settings.model_fields.get("max_connections")
+    limit = int(field.default) if field is not None else 1024
+    assert per_replica <= limit // 2  # room for checks, scrapes and keep-alive connections
+    (queue,) = [t for t in haproxy_directive("timeout") if t.startswith("queue ")]
+    assert seconds(queue.split()[1]) >= service_setting("request_timeout")
