@@ -168,7 +168,7 @@ def test_requests_are_spread_over_both_replicas(topology: Topology) -> None:
             ),
             within=120,
         )
-    assert load.failures == []
+    assert load.failures == [], topology.haproxy.log.read_text()[-4000:]
 
 
 def test_rolling_restart_under_load_fails_no_request(topology: Topology) -> None:
@@ -202,7 +202,7 @@ def test_rolling_restart_under_load_fails_no_request(topology: Topology) -> None
         sent_during_restart = load.ok
     print(f"requests answered during the rolling restart: {sent_during_restart}")
     print(f"requests refused by a draining replica and retried elsewhere: {refused_while_draining}")
-    assert load.failures == []
+    assert load.failures == [], topology.haproxy.log.read_text()[-4000:]
     assert load.ok > 0
 
 
@@ -224,7 +224,7 @@ def test_a_replica_drained_in_haproxy_first_receives_no_new_request(topology: To
         replica.wait_healthy()
         wait_for(f"{replica.host} takes traffic again", replica.took_traffic, 60)
         assert_no_refusals(replica, "while loading")
-    assert load.failures == []
+    assert load.failures == [], topology.haproxy.log.read_text()[-4000:]
 
 
 def test_prometheus_scrapes_both_replicas(topology: Topology) -> None:
