@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 # docs and the pages stay open: orchestrators and people call them without a key.
 PROTECTED_ROUTERS = (tei, openai, encode)
 PROTECTED_ROUTES = frozenset({("GET", "/info")})
+# Paths the concurrency limit never counts: probes must answer under any load.
+UNLIMITED_PATHS = frozenset({"/health", "/live", "/ping", "/metrics"})
 
 
 def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
@@ -91,5 +93,7 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
         routes=routes,
         protected=frozenset(protected),
         api_key=api_key,
+        max_concurrent=settings.max_concurrent_requests,
+        unlimited=UNLIMITED_PATHS,
     )
     return app

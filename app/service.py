@@ -38,6 +38,7 @@ from model import (
     PromptError,
     TokenIdError,
 )
+from model.device import available_cpus
 from model.similarity import similarity
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,9 @@ class EmbeddingService:
         self.batcher: Batcher | None = None
         self.warmed_up = False
         self.loaded_at = 0  # Unix seconds, once the model is loaded
+        # A stop signal came: /health says 503, so that balancers stop sending work here.
+        self.stopping = False
+        # New inference is refused; what was accepted finishes.
         self.draining = False
         self.load_error: str | None = None
         self.inflight = 0
@@ -121,8 +125,9 @@ class EmbeddingService:
     async def start(self) -> None:
         """Load the model, warm it up, then start the worker (all off the event loop)."""
         settings = self.settings
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
+        threads = settings.threads or available_cpus()
+        torch.set_num_threads(threads)
+        log.info("%d torch threads", threads)
         try:
             embedder = await asyncio.to_thread(
                 Embedder.load,
@@ -171,11 +176,18 @@ class EmbeddingService:
             await asyncio.to_thread(self.batcher.stop)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
+    def begin_stop(self) -> None:
+        """/health turns 503 while inference is still accepted (for `drain_delay`): load
+        balancers take the replica out before it refuses anything."""
+        if not self.stopping:
+            log.info("stopping: /health is 503, new requests accepted for now")
+        self.stopping = True
+
     def begin_drain(self) -> None:
-        """From now on /health is 503 and new inference gets 503; accepted work finishes."""
+        """From now on new inference gets 503 too; accepted work finishes."""
         if not self.draining:
             log.info("draining: %d requests in flight", self.inflight)
-        self.draining = True
+        self.stopping = self.draining = True
 
     async def wait_idle(self, grace: float) -> bool:
         """Wait until no accepted request is in flight; False if the grace period ran out."""
@@ -192,16 +204,21 @@ class EmbeddingService:
 
     @property
     def ready(self) -> bool:
+        """Readiness (/health): loaded, warmed up, worker alive, no stop signal."""
+        return self.warmed_up and not self.stopping and self.worker_alive
+
+    @property
+    def accepting(self) -> bool:
         return self.warmed_up and not self.draining and self.worker_alive
 
     @property
     def broken(self) -> bool:
         """The worker died after warm-up: the process can no longer serve, only a restart
         helps (liveness fails)."""
-        return self.warmed_up and not self.worker_alive and not self.draining
+        return self.warmed_up and not self.worker_alive and not self.stopping
 
     def not_ready_reason(self) -> str:
-        if self.draining:
+        if self.stopping:
             return "the server is shutting down"
         if self.load_error:
             return f"the model failed to load: {self.load_error}"
@@ -210,7 +227,7 @@ class EmbeddingService:
         return "the batch worker has stopped"
 
     def check_ready(self) -> Embedder:
-        if not self.ready or self.embedder is None:
+        if not self.accepting or self.embedder is None:
             raise UnavailableError(self.not_ready_reason())
         return self.embedder
 

@@ -71,7 +71,7 @@ async def info(service: ServiceDep) -> JSONResponse:
             "model_sha": None,
             "model_dtype": model.dtype,
             "model_type": {"embedding": {"pooling": "+".join(model.pooling)}},
-            "max_concurrent_requests": settings.max_connections,
+            "max_concurrent_requests": settings.max_concurrent_requests,
             "max_input_length": model.max_input_tokens,
             "max_client_batch_size": settings.max_inputs_per_request,
             "max_batch_requests": settings.max_batch_inputs,

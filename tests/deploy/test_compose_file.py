@@ -67,7 +67,7 @@ def test_the_replicas_are_found_by_their_service_name_and_port() -> None:
 
 def test_stop_grace_period_covers_the_drain() -> None:
     embed = compose()["services"]["embed"]
-    grace = service_setting("shutdown_grace")
+    grace = service_setting("drain_delay") + service_setting("shutdown_grace")
     assert seconds(embed["stop_grace_period"]) >= grace + EXIT_MARGIN
     assert service_setting("request_timeout") <= grace
 
@@ -91,10 +91,9 @@ def test_haproxy_keeps_each_replica_under_its_connection_limit() -> None:
     (server,) = haproxy_directive("default-server")
     words = server.split()
     per_replica = int(words[words.index("maxconn") + 1])
-    # The service's connection limit (max_connections, 1024 by default, from the version that
-    # has one; without it uvicorn has none): its 503 would also fail HAProxy's /health checks.
-    field = Settings.model_fields.get("max_connections")
-    limit = int(field.default) if field is not None else 1024
-    assert per_replica <= limit // 2  # room for checks, scrapes and keep-alive connections
+    # The service's own limit on requests in progress (its fast 429 is not retried) and its
+    # connection limit (uvicorn's 503, which would also fail HAProxy's /health checks).
+    assert per_replica <= int(Settings.model_fields["max_concurrent_requests"].default)
+    assert per_replica <= int(Settings.model_fields["max_connections"].default) // 2
     (queue,) = [t for t in haproxy_directive("timeout") if t.startswith("queue ")]
     assert seconds(queue.split()[1]) >= service_setting("request_timeout")
