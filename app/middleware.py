@@ -1,9 +1,10 @@
 """Pure ASGI middleware (cheaper than BaseHTTPMiddleware), in front of every route.
 
 It gives each request an id, counts it in the metrics, and protects the workers from
-careless or hostile clients before any route runs: a missing or wrong API key is refused
-before the body is read, a body over the payload limit as soon as that is known, and a
-body that trickles in slower than `body_timeout` gets a 408.
+careless or hostile clients before any route runs: past `max_concurrent_requests` in
+progress a request gets a fast 429 (probes and metrics never count), a missing or wrong API
+key is refused before the body is read, a body over the payload limit as soon as that is
+known, and a body that trickles in slower than `body_timeout` gets a 408.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from collections.abc import Container
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import PayloadTooLargeError, ServiceError, SlowBodyError, UnauthorizedError
+from app.errors import (
+    OverloadedError,
+    PayloadTooLargeError,
+    ServiceError,
+    SlowBodyError,
+    UnauthorizedError,
+)
 from app.handlers import render_error
 from app.metrics import Metrics
 
@@ -34,8 +41,10 @@ class ServiceMiddleware:
         payload_limit: int,
         body_timeout: float,
         routes: Container[str],
-        protected: Container[str],
+        protected: Container[tuple[str, str]],
         api_key: str | None,
+        max_concurrent: int,
+        unlimited: Container[str],
     ) -> None:
         self.app = app
         self.metrics = metrics
@@ -44,6 +53,11 @@ class ServiceMiddleware:
         self.routes = routes
         self.protected = protected
         self.api_key = api_key.encode() if api_key else None
+        # Requests in progress, and the paths that never count: probes must answer whatever
+        # the load, or an orchestrator restarts a busy replica.
+        self.max_concurrent = max_concurrent
+        self.unlimited = unlimited
+        self.active = 0
         # Unique per process start, then a counter: cheaper than a uuid4 per request.
         self._id_prefix = uuid.uuid4().hex[:12]
         self._id_counter = itertools.count(1)
@@ -75,8 +89,12 @@ class ServiceMiddleware:
                 ]
             await send(message)
 
+        admitted = False
         try:
-            self._check_key(path, headers)
+            if path not in self.unlimited:
+                self._admit()
+                admitted = True
+            self._check_key(scope["method"], path, headers)
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 receive = await self._read_body(headers, receive)
             await self.app(scope, receive, send_with_id)
@@ -92,13 +110,23 @@ class ServiceMiddleware:
             response = render_error(self.metrics, path, ServiceError("internal error"), request_id)
             await response(scope, receive, send_with_id)
         finally:
+            if admitted:
+                self.active -= 1
             self.metrics.requests.labels(route, str(status)).inc()
             if route != "other":
                 self.metrics.request_seconds.observe(time.perf_counter() - started)
 
-    def _check_key(self, path: str, headers: dict[bytes, bytes]) -> None:
+    def _admit(self) -> None:
+        if self.active >= self.max_concurrent:
+            raise OverloadedError(
+                f"{self.active} requests are in progress, the limit of this server; retry in 1 s",
+                retry_after=1,
+            )
+        self.active += 1
+
+    def _check_key(self, method: str, path: str, headers: dict[bytes, bytes]) -> None:
         """Inference and /info need `Authorization: Bearer <key>` when an API key is set."""
-        if self.api_key is None or path not in self.protected:
+        if self.api_key is None or (method, path) not in self.protected:
             return
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.api_key):

@@ -37,28 +37,31 @@ def as_list(inputs: Inputs) -> list[RawInput]:
     return [item for item in inputs if not isinstance(item, int)]
 
 
+TruncationDirection = Literal["right", "left", "Right", "Left"]
+TRUNCATE_DESCRIPTION = "Cut inputs longer than the model's limit; null: the server default."
+DIRECTION_DESCRIPTION = "Which end of a long input is cut."
+PROMPT_DESCRIPTION = (
+    "A prompt from the model's sentence-transformers config, prepended; null: the model's "
+    "default prompt, if it has one; an empty string: no prompt."
+)
+
+
+def direction_of(value: TruncationDirection) -> Direction:
+    return "left" if value.lower() == "left" else "right"
+
+
 class TruncatingRequest(Request):
     inputs: Inputs = Field(description=INPUTS_DESCRIPTION)
-    truncate: StrictBool | None = Field(
-        None, description="Cut inputs longer than the model's limit; null: the server default."
-    )
-    truncation_direction: Literal["right", "left", "Right", "Left"] = Field(
-        "right", description="Which end of a long input is cut."
-    )
-    prompt_name: StrictStr | None = Field(
-        None,
-        description=(
-            "A prompt from the model's sentence-transformers config, prepended; null: the "
-            "model's default prompt, if it has one; an empty string: no prompt."
-        ),
-    )
+    truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
+    truncation_direction: TruncationDirection = Field("right", description=DIRECTION_DESCRIPTION)
+    prompt_name: StrictStr | None = Field(None, description=PROMPT_DESCRIPTION)
 
     def inputs_list(self) -> list[RawInput]:
         return as_list(self.inputs)
 
     @property
     def direction(self) -> Direction:
-        return "left" if self.truncation_direction.lower() == "left" else "right"
+        return direction_of(self.truncation_direction)
 
     def options(self) -> EncodeOptions:
         return EncodeOptions(self.truncate, self.direction, self.prompt_name)
@@ -92,6 +95,52 @@ class TokenizeRequest(TruncatingRequest):
     add_special_tokens: StrictBool = Field(True, description="Add [CLS], [SEP] and the like.")
 
 
+class SimilarityInput(Request):
+    source_sentence: Text = Field(description="The sentence the others are compared with.")
+    sentences: Annotated[list[Text], Field(min_length=1)] = Field(
+        description="Sentences to compare with the source sentence."
+    )
+
+
+class SimilarityParameters(Request):
+    truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
+    truncation_direction: TruncationDirection = Field("right", description=DIRECTION_DESCRIPTION)
+    prompt_name: StrictStr | None = Field(None, description=PROMPT_DESCRIPTION)
+
+
+class SimilarityRequest(Request):
+    """What huggingface_hub's `InferenceClient.sentence_similarity` sends."""
+
+    inputs: SimilarityInput
+    parameters: SimilarityParameters | None = None
+
+    def texts(self) -> list[RawInput]:
+        return [self.inputs.source_sentence, *self.inputs.sentences]
+
+    def options(self) -> EncodeOptions:
+        parameters = self.parameters or SimilarityParameters()
+        return EncodeOptions(
+            parameters.truncate,
+            direction_of(parameters.truncation_direction),
+            parameters.prompt_name,
+        )
+
+
+class DecodeRequest(Request):
+    ids: (
+        Annotated[list[TokenId], Field(min_length=1)]
+        | list[Annotated[list[TokenId], Field(min_length=1)]]
+    ) = Field(description="One list of token ids, or a list of them.")
+    skip_special_tokens: StrictBool = Field(
+        True, description="Leave [CLS], [SEP] and the like out."
+    )
+
+    def ids_list(self) -> list[list[int]]:
+        if self.ids and all(isinstance(item, int) for item in self.ids):
+            return [[item for item in self.ids if isinstance(item, int)]]
+        return [item for item in self.ids if isinstance(item, list)]
+
+
 class SimpleToken(BaseModel):
     id: int
     text: str = Field(description="The input's characters for this token, or a special token.")
@@ -118,6 +167,18 @@ class OpenAIEmbeddingRequest(Request):
     def options(self) -> EncodeOptions:
         """OpenAI's vectors are always normalised; the model's default prompt applies."""
         return EncodeOptions(dimensions=self.dimensions)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(description="When this server loaded the model (Unix seconds).")
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
 
 
 class OpenAIEmbedding(BaseModel):
@@ -232,7 +293,7 @@ class Limits(BaseModel):
 
 class InfoResponse(BaseModel):
     model_id: str
-    model_type: str
+    architecture: str = Field(description="config.json's model_type: bert, roberta, ...")
     dimensions: int = Field(description="Size of the pooled vectors (after any Dense layer).")
     hidden_size: int = Field(description="Size of the per-token vectors.")
     max_input_tokens: int
@@ -252,6 +313,19 @@ class InfoResponse(BaseModel):
     auto_truncate: bool
     limits: Limits
     version: str
+    # text-embeddings-inference's names for the same facts, for clients that read them.
+    model_sha: str | None = None
+    model_dtype: str
+    model_type: dict[str, dict[str, object]] = Field(
+        description='text-embeddings-inference\'s: {"embedding": {"pooling": "mean"}} and the like.'
+    )
+    max_concurrent_requests: int
+    max_input_length: int
+    max_client_batch_size: int
+    max_batch_requests: int | None
+    tokenization_workers: int
+    sha: str | None = None
+    docker_label: str | None = None
 
 
 class StatusResponse(BaseModel):

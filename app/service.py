@@ -11,9 +11,11 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from app.batcher import Batcher, ItemResult, Ticket, Wants
@@ -27,12 +29,31 @@ from app.limits import Limits
 from app.metrics import Metrics
 from app.params import EncodeOptions, RawInput
 from app.settings import Settings
-from model import AttentionSpec, Embedder, Encoded, InputError, ModelInfo, PromptError
+from model import (
+    AttentionSpec,
+    Embedder,
+    Encoded,
+    InputError,
+    ModelInfo,
+    PromptError,
+    TokenIdError,
+)
+from model.device import available_cpus
+from model.similarity import similarity
 
 log = logging.getLogger(__name__)
 
+FloatArray = npt.NDArray[np.float32]
+# Said with every out-of-vocabulary id: the usual source is a client that tokenizes itself.
+TOKEN_ID_HINT = (
+    "token ids must come from this model's tokenizer (LangChain's OpenAIEmbeddings sends "
+    "tiktoken ids unless check_embedding_ctx_length=False)"
+)
+
 # Makes a coroutine that completes when the client goes away.
 DisconnectWatch = Callable[[], Coroutine[Any, Any, None]]
+# Threads that tokenize large requests, beside the event loop and the batch worker.
+TOKENIZER_THREADS = 2
 # Requests with fewer characters than this are tokenized on the event loop: for a sentence,
 # the hop to a thread costs more than the tokenizing.
 INLINE_TOKENIZE_CHARS = 2048
@@ -46,6 +67,7 @@ def warm_up_batch(embedder: Embedder) -> list[Encoded]:
 
 @dataclass(frozen=True, slots=True)
 class Timings:
+    started: float  # perf_counter() when the request reached the service
     tokenization: float
     queue: float
     inference: float
@@ -58,10 +80,15 @@ class EncodeResult:
     items: list[ItemResult]
     timings: Timings
     attention: AttentionSpec | None = None  # the maps computed, resolved against the model
+    char_count: int = 0  # characters of the text inputs
 
     @property
     def token_count(self) -> int:
         return sum(len(e.ids) for e in self.encoded)
+
+    def vectors(self) -> FloatArray:
+        """(N, D) float32, C-contiguous: every input's finished pooled vector."""
+        return np.stack([item.embedding for item in self.items if item.embedding is not None])
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,19 +108,26 @@ class EmbeddingService:
         self.embedder: Embedder | None = None
         self.batcher: Batcher | None = None
         self.warmed_up = False
+        self.loaded_at = 0  # Unix seconds, once the model is loaded
+        # A stop signal came: /health says 503, so that balancers stop sending work here.
+        self.stopping = False
+        # New inference is refused; what was accepted finishes.
         self.draining = False
         self.load_error: str | None = None
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._tokenizer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self._tokenizer_pool = ThreadPoolExecutor(
+            max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize"
+        )
 
     # Lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         """Load the model, warm it up, then start the worker (all off the event loop)."""
         settings = self.settings
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
+        threads = settings.threads or available_cpus()
+        torch.set_num_threads(threads)
+        log.info("%d torch threads", threads)
         try:
             embedder = await asyncio.to_thread(
                 Embedder.load,
@@ -108,6 +142,7 @@ class EmbeddingService:
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
         self.embedder = embedder
+        self.loaded_at = int(time.time())
         info = embedder.info
         self.metrics.model_info.labels(info.model_id, info.dtype, info.device).set(1)
         self.batcher = Batcher(
@@ -141,11 +176,18 @@ class EmbeddingService:
             await asyncio.to_thread(self.batcher.stop)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
+    def begin_stop(self) -> None:
+        """/health turns 503 while inference is still accepted (for `drain_delay`): load
+        balancers take the replica out before it refuses anything."""
+        if not self.stopping:
+            log.info("stopping: /health is 503, new requests accepted for now")
+        self.stopping = True
+
     def begin_drain(self) -> None:
-        """From now on /health is 503 and new inference gets 503; accepted work finishes."""
+        """From now on new inference gets 503 too; accepted work finishes."""
         if not self.draining:
             log.info("draining: %d requests in flight", self.inflight)
-        self.draining = True
+        self.stopping = self.draining = True
 
     async def wait_idle(self, grace: float) -> bool:
         """Wait until no accepted request is in flight; False if the grace period ran out."""
@@ -162,16 +204,21 @@ class EmbeddingService:
 
     @property
     def ready(self) -> bool:
+        """Readiness (/health): loaded, warmed up, worker alive, no stop signal."""
+        return self.warmed_up and not self.stopping and self.worker_alive
+
+    @property
+    def accepting(self) -> bool:
         return self.warmed_up and not self.draining and self.worker_alive
 
     @property
     def broken(self) -> bool:
         """The worker died after warm-up: the process can no longer serve, only a restart
         helps (liveness fails)."""
-        return self.warmed_up and not self.worker_alive and not self.draining
+        return self.warmed_up and not self.worker_alive and not self.stopping
 
     def not_ready_reason(self) -> str:
-        if self.draining:
+        if self.stopping:
             return "the server is shutting down"
         if self.load_error:
             return f"the model failed to load: {self.load_error}"
@@ -180,7 +227,7 @@ class EmbeddingService:
         return "the batch worker has stopped"
 
     def check_ready(self) -> Embedder:
-        if not self.ready or self.embedder is None:
+        if not self.accepting or self.embedder is None:
             raise UnavailableError(self.not_ready_reason())
         return self.embedder
 
@@ -210,7 +257,8 @@ class EmbeddingService:
     ) -> EncodeResult:
         """Check, tokenize, queue every input, and wait for all results (timeout and
         disconnect aware)."""
-        deadline = time.perf_counter() + self.settings.request_timeout
+        started = time.perf_counter()
+        deadline = started + self.settings.request_timeout
         embedder = self._enter()
         try:
             info = embedder.info
@@ -233,8 +281,40 @@ class EmbeddingService:
         self.metrics.tokens.inc(tokens)
         for e in encoded:
             self.metrics.input_tokens.observe(len(e.ids))
-        timings = Timings(tokenization, queued, inference)
-        return EncodeResult(info, encoded, results, timings, attention)
+        timings = Timings(started, tokenization, queued, inference)
+        chars = sum(len(item) for item in inputs if isinstance(item, str))
+        return EncodeResult(info, encoded, results, timings, attention, chars)
+
+    async def similarity(
+        self,
+        source: str,
+        sentences: Sequence[str],
+        options: EncodeOptions,
+        disconnected: DisconnectWatch | None = None,
+    ) -> tuple[FloatArray, EncodeResult]:
+        """Scores of each sentence against the source, by the model's similarity function,
+        on its vectors as the model gives them (normalised if its modules normalise)."""
+        info = self.check_ready().info
+        own = replace(options, normalize=info.normalize, dimensions=None)
+        result = await self.encode([source, *sentences], own, disconnected)
+        vectors = result.vectors()
+        return similarity(vectors[0], vectors[1:], info.similarity_fn_name), result
+
+    def decode(self, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool) -> list[str]:
+        embedder = self.check_ready()
+        vocabulary = embedder.info.vocab_size
+        for row, sequence in enumerate(ids):
+            for position, token_id in enumerate(sequence):
+                if token_id >= vocabulary:
+                    raise ValidationFailedError(
+                        f"ids {row}: token id {token_id} at position {position} is outside the "
+                        f"vocabulary [0, {vocabulary})",
+                        param="ids",
+                    )
+        return [
+            embedder.tokenizer.decode(sequence, skip_special_tokens=skip_special_tokens)
+            for sequence in ids
+        ]
 
     def _enter(self) -> Embedder:
         """Count an accepted request, so that a drain waits for it."""
@@ -283,6 +363,8 @@ class EmbeddingService:
             else:
                 loop = asyncio.get_running_loop()
                 encoded = await loop.run_in_executor(self._tokenizer_pool, run)
+        except TokenIdError as exc:
+            raise ValidationFailedError(f"{exc}; {TOKEN_ID_HINT}", param="input") from exc
         except InputError as exc:
             raise ValidationFailedError(str(exc), param="input") from exc
         seconds = time.perf_counter() - started

@@ -30,6 +30,7 @@ from model.checkpoint import read_json, read_json_object
 from model.errors import ConfigError
 from model.heads import Splade, Task
 from model.pipeline import ACTIVATIONS, DenseSpec, Pooling, PoolingMode
+from model.similarity import check_similarity_fn
 
 log = logging.getLogger(__name__)
 
@@ -509,6 +510,7 @@ def _metadata_settings(metadata: _Metadata, task: Task) -> dict[str, Any]:
         )
     # sentence-transformers' default: cosine for vectors, dot product for sparse ones.
     similarity = metadata.similarity_fn_name or ("dot" if task is Task.SPARSE else "cosine")
+    check_similarity_fn(similarity, str(metadata.source))
     return {
         "prompts": metadata.prompts,
         "default_prompt_name": metadata.default_prompt_name,

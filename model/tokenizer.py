@@ -135,7 +135,7 @@ class TextTokenizer:
             check_unicode(index, second)
             texts += (first, second)
         cut = [self._cut(text, direction) for text in texts]
-        pieces = self._pair_texts.encode_batch(cut, add_special_tokens=False)
+        pieces = _encode(self._pair_texts, cut, False)
         added = self._untruncated.num_special_tokens_to_add(True)
         budget = max(self.max_length - added, 0)  # tokens left for the two texts
         results = []
@@ -144,9 +144,7 @@ class TextTokenizer:
             for side in sides:
                 if cut[side] is not texts[side] and len(pieces[side].ids) < budget + CUT_MARGIN:
                     # Too few tokens for the cut to be trusted: tokenize the whole text.
-                    [pieces[side]] = self._pair_texts.encode_batch(
-                        [texts[side]], add_special_tokens=False
-                    )
+                    [pieces[side]] = _encode(self._pair_texts, [texts[side]], False)
                     cut[side] = texts[side]
             was_cut = (cut[sides[0]] is not texts[sides[0]], cut[sides[1]] is not texts[sides[1]])
             counts = (len(pieces[sides[0]].ids), len(pieces[sides[1]].ids))
@@ -184,7 +182,7 @@ class TextTokenizer:
         return results
 
     def _whole_length(self, text: str) -> int:
-        [encoding] = self._pair_texts.encode_batch([text], add_special_tokens=False)
+        [encoding] = _encode(self._pair_texts, [text], False)
         return len(encoding.ids)
 
     def _encode_texts(
@@ -202,7 +200,7 @@ class TextTokenizer:
         )
         cut = {index: self._cut(text, direction) for index, text in texts}
         batch = [prompt + cut[index] for index, _ in texts]
-        encodings = tokenizer.encode_batch(batch, add_special_tokens=add_special_tokens)
+        encodings = _encode(tokenizer, batch, add_special_tokens)
         prompt_length = self.prompt_length(prompt) if prompt else 0
         results: dict[int, Encoded] = {}
         for (index, text), encoding in zip(texts, encodings, strict=True):
@@ -211,9 +209,7 @@ class TextTokenizer:
                 encoding, untruncated=tokenizer is self._untruncated
             ):
                 # The cut text does not overflow by the margin: tokenize the whole text.
-                [encoding] = tokenizer.encode_batch(
-                    [prompt + text], add_special_tokens=add_special_tokens
-                )
+                [encoding] = _encode(tokenizer, [prompt + text], add_special_tokens)
                 was_cut = False
             result = self._from_encoding(index, encoding, truncate, was_cut=was_cut)
             if keep_prompt:
@@ -249,7 +245,7 @@ class TextTokenizer:
         """Tokens of the prompt tokenized alone, less a trailing special token (as
         sentence-transformers measures it)."""
         if prompt not in self._prompt_lengths:
-            [alone] = self._untruncated.encode_batch([prompt])
+            [alone] = _encode(self._untruncated, [prompt], True)
             length = len(alone.ids)
             if alone.special_tokens_mask and alone.special_tokens_mask[-1]:
                 length -= 1
@@ -354,6 +350,14 @@ def _order_unknown(counts: tuple[int, int], was_cut: tuple[bool, bool], budget: 
         return True
     cut_length, other = counts if was_cut[0] else counts[::-1]
     return cut_length <= other
+
+
+def _encode(tokenizer: Tokenizer, texts: list[str], add_special_tokens: bool) -> list[Encoding]:
+    """One text through `encode`: `encode_batch` hands even a single text to the library's
+    thread pool, which costs more than the tokenizing itself (measured on the event loop)."""
+    if len(texts) == 1:
+        return [tokenizer.encode(texts[0], add_special_tokens=add_special_tokens)]
+    return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
 
 
 def check_unicode(index: int, text: str) -> None:
