@@ -28,11 +28,12 @@ import torch
 from app.errors import BackendError, OverloadedError, ServiceError
 from app.memory import Trimmer
 from app.metrics import Metrics
-from model import AttentionSpec, BatchOutput, Embedder, Encoded, finish
+from model import AttentionSpec, BatchOutput, Embedder, Encoded, Task, finish
 
 log = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float32]
+IntArray = npt.NDArray[np.int64]
 # How far past the oldest input the worker looks for inputs of a similar length.
 WINDOW_FACTOR = 4
 # Seconds without a new input after which the worker stops waiting for a fuller batch.
@@ -59,6 +60,8 @@ class ItemResult:
     embedding: FloatArray | None  # (D,)
     token_embeddings: FloatArray | None  # (T, hidden)
     attention: dict[int, FloatArray] | None  # layer -> (h, T, T), or (T, T) for a mean
+    scores: FloatArray | None = None  # a classifier's raw logits, (labels,)
+    sparse: tuple[IntArray, FloatArray] | None = None  # SPLADE: vocabulary ids and weights
 
 
 @dataclass(eq=False, slots=True)
@@ -335,6 +338,7 @@ class Batcher:
         self, batch: list[WorkItem], output: BatchOutput, started: float, seconds: float
     ) -> None:
         pooled = output.pooled.numpy()
+        task = self.embedder.info.task
         deliveries: list[Delivery] = []
         for row, item in enumerate(batch):
             ticket = item.ticket
@@ -347,7 +351,7 @@ class Batcher:
             ticket.inference_seconds = max(ticket.inference_seconds, seconds)
             ticket.results[item.row] = ItemResult(
                 finish(pooled[row : row + 1], wants.normalize, wants.dimensions)[0]
-                if wants.pooled
+                if wants.pooled and task is Task.EMBED
                 else None,
                 output.token_embeddings[row].numpy()
                 if wants.token_embeddings and output.token_embeddings
@@ -355,6 +359,8 @@ class Batcher:
                 {layer: maps.numpy() for layer, maps in output.attentions[row].items()}
                 if output.attentions
                 else None,
+                pooled[row].copy() if wants.pooled and task is Task.CLASSIFY else None,
+                nonzero(pooled[row]) if wants.pooled and task is Task.SPARSE else None,
             )
             ticket.remaining -= 1
             if ticket.remaining == 0:
@@ -379,6 +385,12 @@ class Batcher:
             self._loop.call_soon_threadsafe(callback, arg)
         except RuntimeError:  # the event loop closed during shutdown: nobody is waiting
             log.warning("dropping %d results: the event loop is closed", len(arg))
+
+
+def nonzero(weights: FloatArray) -> tuple[IntArray, FloatArray]:
+    """A SPLADE vector as the vocabulary ids it weighs and their weights."""
+    ids = np.flatnonzero(weights)
+    return ids, weights[ids]
 
 
 def _map_values(spec: AttentionSpec, width: int, count: int) -> int:

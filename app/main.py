@@ -14,7 +14,7 @@ from app.handlers import install_handlers
 from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
 from app.responses import JSONResponse
-from app.routes import encode, openai, ops, playground, tei
+from app.routes import classify, encode, openai, ops, playground, sparse, tei
 from app.service import EmbeddingService
 from app.settings import Settings
 
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 # Routers whose routes need the API key when one is set (and /info). Probes, metrics, the
 # docs and the pages stay open: orchestrators and people call them without a key.
-PROTECTED_ROUTERS = (tei, openai, encode)
+PROTECTED_ROUTERS = (tei, openai, encode, classify, sparse)
 PROTECTED_ROUTES = frozenset({("GET", "/info")})
 # Paths the concurrency limit never counts: probes must answer under any load.
 UNLIMITED_PATHS = frozenset({"/health", "/live", "/ping", "/metrics"})
@@ -69,7 +69,7 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
     app.state.service = service
     routes: set[str] = set()
     protected = set(PROTECTED_ROUTES)
-    for module in (tei, openai, encode, ops, playground):
+    for module in (tei, openai, encode, classify, sparse, ops, playground):
         app.include_router(module.router)
         for route in module.router.routes:
             path = getattr(route, "path", "")

@@ -8,9 +8,17 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
-from app.params import AttentionQuery, EncodeOptions, RawInput
+from app.params import AttentionQuery, EncodeOptions, RawInput, TextPair
 from model import Direction
 
 # Empty strings and id lists are answered with 400 (Empty), as OpenAI does.
@@ -139,6 +147,86 @@ class DecodeRequest(Request):
         if self.ids and all(isinstance(item, int) for item in self.ids):
             return [[item for item in self.ids if isinstance(item, int)]]
         return [item for item in self.ids if isinstance(item, list)]
+
+
+class EmbedSparseRequest(TruncatingRequest):
+    pass
+
+
+class SparseValue(BaseModel):
+    index: int = Field(description="A vocabulary id.")
+    value: float = Field(description="Its weight (only ids with a weight are listed).")
+
+
+# Cross-encoders ---------------------------------------------------------------------------
+SingleOrPair = Annotated[list[Text], Field(min_length=1, max_length=2)]
+
+
+class PredictRequest(Request):
+    inputs: Text | Annotated[list[Text | SingleOrPair], Field(min_length=1)] = Field(
+        description=(
+            "A text, a pair of texts [text, text], or a batch of texts and pairs: "
+            "[[text], [text, text], ...]."
+        )
+    )
+    truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
+    truncation_direction: TruncationDirection = Field("right", description=DIRECTION_DESCRIPTION)
+    raw_scores: StrictBool = Field(
+        False, description="Logits as they are; else a softmax over the labels (a sigmoid for one)."
+    )
+
+    @model_validator(mode="after")
+    def _flat_list_is_one_input(self) -> PredictRequest:
+        if isinstance(self.inputs, list) and not self.is_batch() and len(self.inputs) > 2:
+            raise ValueError(
+                "inputs: a flat list is one text or one pair; send a batch as a list of lists"
+            )
+        return self
+
+    def is_batch(self) -> bool:
+        return isinstance(self.inputs, list) and any(isinstance(i, list) for i in self.inputs)
+
+    def inputs_list(self) -> list[RawInput | TextPair]:
+        """One input per text or pair; a flat list of two texts is one pair."""
+        if isinstance(self.inputs, str):
+            return [self.inputs]
+        if not self.is_batch():
+            return [as_input([item for item in self.inputs if isinstance(item, str)])]
+        return [as_input(item if isinstance(item, list) else [item]) for item in self.inputs]
+
+    def options(self) -> EncodeOptions:
+        return EncodeOptions(self.truncate, direction_of(self.truncation_direction), prompt_name="")
+
+
+def as_input(texts: list[str]) -> RawInput | TextPair:
+    """[text] is a text, [first, second] a pair (the validator allows no longer list)."""
+    return texts[0] if len(texts) == 1 else (texts[0], texts[1])
+
+
+class Prediction(BaseModel):
+    score: float
+    label: str
+
+
+class RerankRequest(Request):
+    query: Text = Field(description="What the texts are ranked against.")
+    texts: Annotated[list[Text], Field(min_length=1)] = Field(description="Texts to rank.")
+    truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
+    truncation_direction: TruncationDirection = Field("right", description=DIRECTION_DESCRIPTION)
+    raw_scores: StrictBool = Field(False, description="The logit as it is; else its sigmoid.")
+    return_text: StrictBool = Field(False, description="Return each text with its score.")
+
+    def pairs(self) -> list[RawInput | TextPair]:
+        return [(self.query, text) for text in self.texts]
+
+    def options(self) -> EncodeOptions:
+        return EncodeOptions(self.truncate, direction_of(self.truncation_direction), prompt_name="")
+
+
+class Rank(BaseModel):
+    index: int = Field(description="The text's position in the request.")
+    score: float
+    text: str | None = Field(None, description="The text, when return_text is true.")
 
 
 class SimpleToken(BaseModel):
@@ -293,6 +381,10 @@ class Limits(BaseModel):
 
 class InfoResponse(BaseModel):
     model_id: str
+    task: Literal["embed", "classify", "sparse"] = Field(
+        description="What the model serves: /embed, /predict and /rerank, or /embed_sparse."
+    )
+    labels: list[str] = Field(description="A classifier's labels, in the order of its logits.")
     architecture: str = Field(description="config.json's model_type: bert, roberta, ...")
     dimensions: int = Field(description="Size of the pooled vectors (after any Dense layer).")
     hidden_size: int = Field(description="Size of the per-token vectors.")

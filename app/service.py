@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,39 +23,24 @@ from app.errors import (
     DeadlineError,
     UnavailableError,
     ValidationFailedError,
+    WrongTaskError,
 )
 from app.limits import Limits
 from app.metrics import Metrics
 from app.params import EncodeOptions, RawInput
 from app.settings import Settings
-from model import (
-    AttentionSpec,
-    Embedder,
-    Encoded,
-    InputError,
-    ModelInfo,
-    PromptError,
-    TokenIdError,
-)
+from app.tokenization import Input, Tokenization, characters, prompt_of
+from model import AttentionSpec, Embedder, Encoded, ModelInfo, Task
 from model.device import available_cpus
 from model.similarity import similarity
 
 log = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float32]
-# Said with every out-of-vocabulary id: the usual source is a client that tokenizes itself.
-TOKEN_ID_HINT = (
-    "token ids must come from this model's tokenizer (LangChain's OpenAIEmbeddings sends "
-    "tiktoken ids unless check_embedding_ctx_length=False)"
-)
+TASK_NAMES = {Task.EMBED: "an embedding", Task.CLASSIFY: "a classifier", Task.SPARSE: "a sparse"}
 
 # Makes a coroutine that completes when the client goes away.
 DisconnectWatch = Callable[[], Coroutine[Any, Any, None]]
-# Threads that tokenize large requests, beside the event loop and the batch worker.
-TOKENIZER_THREADS = 2
-# Requests with fewer characters than this are tokenized on the event loop: for a sentence,
-# the hop to a thread costs more than the tokenizing.
-INLINE_TOKENIZE_CHARS = 2048
 
 
 def warm_up_batch(embedder: Embedder) -> list[Encoded]:
@@ -117,9 +101,7 @@ class EmbeddingService:
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._tokenizer_pool = ThreadPoolExecutor(
-            max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize"
-        )
+        self.tokenization = Tokenization(metrics, settings.auto_truncate)
 
     # Lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -132,6 +114,7 @@ class EmbeddingService:
             embedder = await asyncio.to_thread(
                 Embedder.load,
                 settings.model_id,
+                task=settings.task,
                 device=settings.device,
                 dtype=settings.dtype,
                 allow_download=settings.allow_download,
@@ -174,7 +157,7 @@ class EmbeddingService:
     async def stop(self) -> None:
         if self.batcher is not None:
             await asyncio.to_thread(self.batcher.stop)
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.tokenization.shutdown()
 
     def begin_stop(self) -> None:
         """/health turns 503 while inference is still accepted (for `drain_delay`): load
@@ -244,28 +227,44 @@ class EmbeddingService:
     ) -> Tokenized:
         embedder = self.check_ready()
         self.limits.check_inputs(inputs)
-        encoded, _ = await self._tokenize(embedder, inputs, options, add_special_tokens)
-        prompt = self._prompt(embedder, options)
+        encoded, _ = await self.tokenization.run(
+            embedder, inputs, options, add_special_tokens=add_special_tokens
+        )
+        prompt = prompt_of(embedder, options)
         texts = [prompt + item if isinstance(item, str) else item for item in inputs]
         return Tokenized(texts, encoded)
 
+    def check_task(self, task: Task) -> ModelInfo:
+        """424 when the loaded model does not do what a route needs."""
+        info = self.check_ready().info
+        if info.task is not task:
+            raise WrongTaskError(
+                f"this route needs {TASK_NAMES[task]} model; the loaded model is "
+                f"{TASK_NAMES[info.task]} model ({info.model_id})"
+            )
+        return info
+
     async def encode(
         self,
-        inputs: Sequence[RawInput],
+        inputs: Sequence[Input],
         options: EncodeOptions,
         disconnected: DisconnectWatch | None = None,
+        task: Task | None = Task.EMBED,
     ) -> EncodeResult:
         """Check, tokenize, queue every input, and wait for all results (timeout and
-        disconnect aware)."""
+        disconnect aware). `task` is what the route needs (None: any model, for per-token
+        outputs)."""
         started = time.perf_counter()
         deadline = started + self.settings.request_timeout
+        if task is not None:
+            self.check_task(task)
         embedder = self._enter()
         try:
             info = embedder.info
             self.limits.check_inputs(inputs)
             self.limits.check_dimensions(options.dimensions, info)
             attention = self.limits.resolve_attention(options.attention, info)
-            encoded, tokenization = await self._tokenize(embedder, inputs, options)
+            encoded, tokenization = await self.tokenization.run(embedder, inputs, options)
             tokens = self.limits.check_tokens(encoded, options, attention, info)
             wants = Wants(
                 options.pooled,
@@ -282,7 +281,7 @@ class EmbeddingService:
         for e in encoded:
             self.metrics.input_tokens.observe(len(e.ids))
         timings = Timings(started, tokenization, queued, inference)
-        chars = sum(len(item) for item in inputs if isinstance(item, str))
+        chars = sum(characters(item) for item in inputs if not isinstance(item, list))
         return EncodeResult(info, encoded, results, timings, attention, chars)
 
     async def similarity(
@@ -327,49 +326,6 @@ class EmbeddingService:
         self.inflight -= 1
         if self.inflight == 0:
             self._idle.set()
-
-    @staticmethod
-    def _prompt(embedder: Embedder, options: EncodeOptions) -> str:
-        try:
-            return embedder.prompt(options.prompt_name)
-        except PromptError as exc:
-            raise ValidationFailedError(str(exc), param="prompt_name") from exc
-
-    async def _tokenize(
-        self,
-        embedder: Embedder,
-        inputs: Sequence[RawInput],
-        options: EncodeOptions,
-        add_special_tokens: bool = True,
-    ) -> tuple[list[Encoded], float]:
-        """Tokenize on the event loop when the request is small, else in the tokenizer pool;
-        also return the seconds taken."""
-        truncate = self.settings.auto_truncate if options.truncate is None else options.truncate
-        prompt = self._prompt(embedder, options)
-
-        def run() -> list[Encoded]:
-            return embedder.tokenizer.encode(
-                inputs,
-                truncate=truncate,
-                direction=options.direction,
-                add_special_tokens=add_special_tokens,
-                prompt=prompt,
-            )
-
-        started = time.perf_counter()
-        try:
-            if sum(len(item) for item in inputs) < INLINE_TOKENIZE_CHARS:
-                encoded = run()
-            else:
-                loop = asyncio.get_running_loop()
-                encoded = await loop.run_in_executor(self._tokenizer_pool, run)
-        except TokenIdError as exc:
-            raise ValidationFailedError(f"{exc}; {TOKEN_ID_HINT}", param="input") from exc
-        except InputError as exc:
-            raise ValidationFailedError(str(exc), param="input") from exc
-        seconds = time.perf_counter() - started
-        self.metrics.tokenization_seconds.observe(seconds)
-        return encoded, seconds
 
     async def _run(
         self,

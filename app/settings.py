@@ -26,6 +26,13 @@ class Settings(BaseSettings):
         DEFAULT_MODEL_ID,
         description="A local checkpoint folder, or the id of an installed model package.",
     )
+    task: Literal["auto", "embed", "classify", "sparse"] = Field(
+        "auto",
+        description=(
+            "What the model serves: embeddings, classification/reranking (a cross-encoder), "
+            "or sparse (SPLADE) embeddings; auto reads it from the model folder."
+        ),
+    )
     allow_download: bool = Field(
         False, description="Fetch unknown model ids with huggingface_hub (needs a network)."
     )

@@ -15,7 +15,8 @@ from app.metrics import Metrics
 from app.responses import JSONResponse
 from app.routes.errors import error_responses
 from app.schemas import ErrorResponse, InfoResponse, StatusResponse
-from app.service import TOKENIZER_THREADS
+from app.tokenization import TOKENIZER_THREADS
+from model import ModelInfo, Task
 
 router = APIRouter(tags=["operations"])
 
@@ -36,6 +37,8 @@ async def info(service: ServiceDep) -> JSONResponse:
     return JSONResponse(
         {
             "model_id": model.model_id,
+            "task": str(model.task),
+            "labels": list(model.labels),
             "architecture": model.model_type,
             "dimensions": model.dimensions,
             "hidden_size": model.hidden_size,
@@ -70,7 +73,7 @@ async def info(service: ServiceDep) -> JSONResponse:
             # text-embeddings-inference's names, for clients that read them.
             "model_sha": None,
             "model_dtype": model.dtype,
-            "model_type": {"embedding": {"pooling": "+".join(model.pooling)}},
+            "model_type": tei_model_type(model),
             "max_concurrent_requests": settings.max_concurrent_requests,
             "max_input_length": model.max_input_tokens,
             "max_client_batch_size": settings.max_inputs_per_request,
@@ -80,6 +83,17 @@ async def info(service: ServiceDep) -> JSONResponse:
             "docker_label": None,
         }
     )
+
+
+def tei_model_type(model: ModelInfo) -> dict[str, dict[str, object]]:
+    """text-embeddings-inference's description of what the model is."""
+    if model.task is Task.CLASSIFY:
+        kind = "reranker" if len(model.labels) == 1 else "classifier"
+        id2label = {str(index): label for index, label in enumerate(model.labels)}
+        label2id = {label: int(index) for index, label in id2label.items()}
+        return {kind: {"id2label": id2label, "label2id": label2id}}
+    pooling = "splade" if model.task is Task.SPARSE else "+".join(model.pooling)
+    return {"embedding": {"pooling": pooling}}
 
 
 @router.get(

@@ -13,15 +13,20 @@ from starlette.responses import Response
 from app.dependencies import DisconnectDep, ServiceDep
 from app.errors import UnsupportedMediaError
 from app.responses import JSONResponse, render, timing_headers
+from app.routes import classify, sparse
 from app.routes.errors import error_responses
 from app.schemas import (
     DecodeRequest,
     EmbedAllRequest,
     EmbedRequest,
+    EmbedSparseRequest,
+    PredictRequest,
+    RerankRequest,
     SimilarityRequest,
     SimpleToken,
     TokenizeRequest,
 )
+from model import Task
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=error_responses())
 
@@ -40,7 +45,8 @@ async def embed(body: EmbedRequest, service: ServiceDep, disconnected: Disconnec
 async def embed_all(
     body: EmbedAllRequest, service: ServiceDep, disconnected: DisconnectDep
 ) -> Response:
-    result = await service.encode(body.inputs_list(), body.options(), disconnected)
+    # Per-token states: every kind of model has them.
+    result = await service.encode(body.inputs_list(), body.options(), disconnected, task=None)
     values = result.token_count * result.model.hidden_size
     return await render(
         lambda: [item.token_embeddings for item in result.items],
@@ -90,22 +96,28 @@ async def decode(body: DecodeRequest, service: ServiceDep) -> Response:
 
 @router.post("/", include_in_schema=False)
 async def main_task(request: Request, service: ServiceDep, disconnected: DisconnectDep) -> Response:
-    """text-embeddings-inference's alias, which huggingface_hub's InferenceClient calls when it
-    is given a base URL: /similarity for a {source_sentence, sentences} body (what its
-    sentence_similarity sends), else /embed."""
+    """text-embeddings-inference's alias for the model's main task, which huggingface_hub's
+    InferenceClient calls when it is given a base URL: /rerank for a reranker, /predict for
+    another classifier, /embed_sparse for a sparse model; for an embedding model /similarity
+    when the body is {"inputs": {source_sentence, sentences}} (what its sentence_similarity
+    sends), else /embed."""
     raw = await request.body()
     if not request.headers.get("content-type", "").split(";")[0].strip().endswith("json"):
         raise UnsupportedMediaError(
             f"expected Content-Type application/json, got {request.headers.get('content-type')!r}"
         )
+    info = service.info
+    if info.task is Task.CLASSIFY and len(info.labels) == 1:
+        return await classify.rerank(parse(RerankRequest, raw), service, disconnected)
+    if info.task is Task.CLASSIFY:
+        return await classify.predict(parse(PredictRequest, raw), service, disconnected)
+    if info.task is Task.SPARSE:
+        return await sparse.embed_sparse(parse(EmbedSparseRequest, raw), service, disconnected)
     try:
-        body: BaseModel = SimilarityRequest.model_validate_json(raw)
+        pair = SimilarityRequest.model_validate_json(raw)
     except ValidationError:
-        body = parse(EmbedRequest, raw)
-    if isinstance(body, SimilarityRequest):
-        return await similarity(body, service, disconnected)
-    assert isinstance(body, EmbedRequest)
-    return await embed(body, service, disconnected)
+        return await embed(parse(EmbedRequest, raw), service, disconnected)
+    return await similarity(pair, service, disconnected)
 
 
 Model = TypeVar("Model", bound=BaseModel)
