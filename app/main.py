@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from app.fastpath import FAST_ROUTES
 from app.handlers import install_handlers
 from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
@@ -95,5 +96,7 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
         api_key=api_key,
         max_concurrent=settings.max_concurrent_requests,
         unlimited=UNLIMITED_PATHS,
+        service=service,
+        fast_routes=FAST_ROUTES,
     )
     return app

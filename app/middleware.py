@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Container
+from collections.abc import Container, Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -26,8 +26,10 @@ from app.errors import (
     SlowBodyError,
     UnauthorizedError,
 )
+from app.fastpath import FastRoute, dispatch
 from app.handlers import render_error
 from app.metrics import Metrics
+from app.service import EmbeddingService
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ class ServiceMiddleware:
         api_key: str | None,
         max_concurrent: int,
         unlimited: Container[str],
+        service: EmbeddingService,
+        fast_routes: Mapping[tuple[str, str], FastRoute],
     ) -> None:
         self.app = app
         self.metrics = metrics
@@ -58,6 +62,8 @@ class ServiceMiddleware:
         self.max_concurrent = max_concurrent
         self.unlimited = unlimited
         self.active = 0
+        self.service = service
+        self.fast_routes = fast_routes
         # Unique per process start, then a counter: cheaper than a uuid4 per request.
         self._id_prefix = uuid.uuid4().hex[:12]
         self._id_counter = itertools.count(1)
@@ -96,7 +102,13 @@ class ServiceMiddleware:
                 admitted = True
             self._check_key(scope["method"], path, headers)
             if scope["method"] in ("POST", "PUT", "PATCH"):
-                receive = await self._read_body(headers, receive)
+                raw, receive = await self._read_body(headers, receive)
+                fast = self.fast_routes.get((scope["method"], path))
+                if fast is not None and _is_json(headers):
+                    response = await dispatch(fast, raw, self.service, receive)
+                    if response is not None:
+                        await response(scope, receive, send_with_id)
+                        return
             await self.app(scope, receive, send_with_id)
         except ServiceError as error:  # raised here, before any route ran
             response = render_error(self.metrics, path, error, request_id)
@@ -132,9 +144,11 @@ class ServiceMiddleware:
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.api_key):
             raise UnauthorizedError("missing or wrong API key (send 'Authorization: Bearer <key>')")
 
-    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> Receive:
-        """Read the whole body, within the payload limit and the body timeout, then hand it
-        on as one message."""
+    async def _read_body(
+        self, headers: dict[bytes, bytes], receive: Receive
+    ) -> tuple[bytes, Receive]:
+        """Read the whole body, within the payload limit and the body timeout; return it and
+        a `receive` that hands it on as one message."""
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.payload_limit:
             raise self._too_large()
@@ -154,6 +168,7 @@ class ServiceMiddleware:
             raise SlowBodyError(
                 f"the body did not arrive within the body timeout of {self.body_timeout:g} s"
             ) from exc
+        raw = bytes(body)
         replayed = False
 
         async def replay() -> Message:
@@ -161,11 +176,16 @@ class ServiceMiddleware:
             if replayed:
                 return await receive()  # later calls wait for the disconnect, as usual
             replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return {"type": "http.request", "body": raw, "more_body": False}
 
-        return replay
+        return raw, replay
 
     def _too_large(self) -> PayloadTooLargeError:
         return PayloadTooLargeError(
             f"the body is over the payload limit of {self.payload_limit} bytes"
         )
+
+
+def _is_json(headers: dict[bytes, bytes]) -> bool:
+    media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+    return media == b"application/json"
