@@ -339,6 +339,7 @@ class Batcher:
     ) -> None:
         pooled = output.pooled.numpy()
         task = self.embedder.info.task
+        embeddings = finished_embeddings(batch, pooled) if task is Task.EMBED else {}
         deliveries: list[Delivery] = []
         for row, item in enumerate(batch):
             ticket = item.ticket
@@ -350,9 +351,7 @@ class Batcher:
             ticket.queue_seconds = max(ticket.queue_seconds, queued)
             ticket.inference_seconds = max(ticket.inference_seconds, seconds)
             ticket.results[item.row] = ItemResult(
-                finish(pooled[row : row + 1], wants.normalize, wants.dimensions)[0]
-                if wants.pooled and task is Task.EMBED
-                else None,
+                embeddings.get(row),
                 output.token_embeddings[row].numpy()
                 if wants.token_embeddings and output.token_embeddings
                 else None,
@@ -385,6 +384,20 @@ class Batcher:
             self._loop.call_soon_threadsafe(callback, arg)
         except RuntimeError:  # the event loop closed during shutdown: nobody is waiting
             log.warning("dropping %d results: the event loop is closed", len(arg))
+
+
+def finished_embeddings(batch: list[WorkItem], pooled: FloatArray) -> dict[int, FloatArray]:
+    """Each row's vector cut and normalised as its request asks: one numpy call per distinct
+    (normalize, dimensions) in the batch, not one per row."""
+    groups: dict[tuple[bool, int | None], list[int]] = {}
+    for row, item in enumerate(batch):
+        wants = item.ticket.wants
+        if wants.pooled:
+            groups.setdefault((wants.normalize, wants.dimensions), []).append(row)
+    done: dict[int, FloatArray] = {}
+    for (normalize, dimensions), rows in groups.items():
+        done.update(zip(rows, finish(pooled[rows], normalize, dimensions), strict=True))
+    return done
 
 
 def nonzero(weights: FloatArray) -> tuple[IntArray, FloatArray]:

@@ -21,6 +21,7 @@ from app.batcher import Batcher, ItemResult, Ticket, Wants
 from app.errors import (
     ClientDisconnectedError,
     DeadlineError,
+    ServiceError,
     UnavailableError,
     ValidationFailedError,
     WrongTaskError,
@@ -334,30 +335,41 @@ class EmbeddingService:
         deadline: float,
         disconnected: DisconnectWatch | None,
     ) -> tuple[list[ItemResult], float, float]:
-        """The request's results, its longest queue wait and its longest forward pass."""
+        """The request's results, its longest queue wait and its longest forward pass.
+
+        The ticket's future is the one thing awaited: the timeout and a disconnect fail it
+        through callbacks (cheaper than asyncio.wait on several), and the worker skips a
+        future that is already done."""
         assert self.batcher is not None, "check_ready() guarantees a batcher"
         loop = asyncio.get_running_loop()
         ticket = Ticket(encoded, wants, loop.create_future())
         self.batcher.submit(ticket)
+        timeout = self.settings.request_timeout
+        timer = loop.call_at(
+            loop.time() + max(0.0, deadline - time.perf_counter()),
+            _fail,
+            ticket,
+            DeadlineError(f"no result within the request timeout of {timeout} s"),
+        )
         watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
-        waiting: set[asyncio.Future[Any]] = {ticket.future}
         if watcher is not None:
-            waiting.add(watcher)
+            watcher.add_done_callback(lambda done: _on_disconnect(done, ticket))
         try:
-            done, _ = await asyncio.wait(
-                waiting,
-                timeout=max(0.0, deadline - time.perf_counter()),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            if ticket.future in done:
-                return ticket.future.result(), ticket.queue_seconds, ticket.inference_seconds
-            ticket.abandoned = True
-            ticket.future.cancel()
-            if watcher is not None and watcher in done:
-                raise ClientDisconnectedError("the client disconnected")
-            raise DeadlineError(
-                f"no result within the request timeout of {self.settings.request_timeout} s"
-            )
+            results = await ticket.future
         finally:
+            timer.cancel()
             if watcher is not None:
                 watcher.cancel()
+        return results, ticket.queue_seconds, ticket.inference_seconds
+
+
+def _on_disconnect(watcher: asyncio.Future[None], ticket: Ticket) -> None:
+    if not watcher.cancelled():  # cancelled: the request ended first
+        _fail(ticket, ClientDisconnectedError("the client disconnected"))
+
+
+def _fail(ticket: Ticket, error: ServiceError) -> None:
+    """Nobody will wait for this ticket's results: the worker drops its queued inputs."""
+    if not ticket.future.done():
+        ticket.abandoned = True
+        ticket.future.set_exception(error)
