@@ -6,10 +6,14 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 TORCH := torch==2.13.0
 # Debian packages the tests drive for real (installed when missing; needs root or sudo):
-# Chromium for tests/browser, wrk for the soak test (tests/bench).
-APT_PACKAGES := chromium wrk
+# haproxy and prometheus run deploy/'s files in tests/deploy/test_compose_topology.py,
+# chromium is driven by tests/browser, wrk loads the server in the soak test.
+APT_PACKAGES := chromium haproxy prometheus wrk
+# Only for `make docker-test`: a private Docker engine, a locally built base image, and
+# Debian's docker-compose for a smoke test of docker-compose.yml.
+DOCKER_TEST_PACKAGES := docker.io debootstrap docker-compose
 
-.PHONY: install serve dev system-deps lint test bench
+.PHONY: install serve dev system-deps lint test bench deploy-test docker-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +27,14 @@ install: $(BIN)/python
 serve: install
 	$(BIN)/python -m app $(ARGS)
 
+# langchain-huggingface caps huggingface_hub below 2 and, from 1.2.2 on, refuses an endpoint
+# URL; 1.2.1 is the last that talks to a self-hosted server. Without its dependencies, so that
+# the tests run against the huggingface_hub users have now.
+LANGCHAIN_HUGGINGFACE := langchain-huggingface==1.2.1
+
 dev: install
 	$(PIP) -c constraints.txt -e '.[dev]'
+	$(PIP) --no-deps $(LANGCHAIN_HUGGINGFACE)
 
 system-deps:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -47,3 +57,13 @@ bench:
 	$(BIN)/python -m bench.layers
 	$(BIN)/python -m bench.server
 	$(BIN)/python -m bench.batch_wait
+
+# The compose topology (HAProxy, Prometheus, two replicas) without Docker; `make test` runs it too.
+deploy-test: dev system-deps
+	$(BIN)/python -m pytest tests/deploy -v -rP
+
+# Builds and runs the image on a private Docker engine: root, several minutes, PyPI access.
+# Not run by CI (see README, Deploying). ARGS="--rebuild-base --keep-engine" are its options.
+docker-test: dev
+	$(MAKE) system-deps APT_PACKAGES="$(DOCKER_TEST_PACKAGES)"
+	$(BIN)/python -m tests.deploy.docker_image $(ARGS)

@@ -1,9 +1,10 @@
 """`python -m app` / `embedding-server`: settings from flags and EMBED_* variables, then uvicorn.
 
-SIGTERM (or Ctrl-C) drains: /health turns 503 and new inference gets 503 at once, accepted
-requests finish (up to --shutdown-grace seconds), then the server exits 0. A second signal
-during the drain exits at once, with 128 + the signal's number.
-Worst case from the first signal to the exit: shutdown_grace, then up to
+SIGTERM (or Ctrl-C) drains: /health turns 503 at once; after --drain-delay seconds (for load
+balancers to notice) new inference gets 503 too; accepted requests finish (up to
+--shutdown-grace seconds), then the server exits 0. A second signal exits at once, with 128 +
+the signal's number.
+Worst case from the first signal to the exit: drain_delay + shutdown_grace, then up to
 CLOSE_GRACE seconds for uvicorn to close connections, then up to 2 s for the worker thread.
 """
 
@@ -45,9 +46,12 @@ CLOSE_GRACE = 3
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with a drain step between the first signal and the shutdown."""
 
-    def __init__(self, config: uvicorn.Config, service: EmbeddingService, grace: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, service: EmbeddingService, delay: float, grace: float
+    ) -> None:
         super().__init__(config)
         self.service = service
+        self.delay = delay
         self.grace = grace
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -62,7 +66,7 @@ class DrainingServer(uvicorn.Server):
         if self._loop is None:  # before start-up finished: nothing to drain
             super().handle_exit(sig, frame)
             return
-        if self.service.draining:
+        if self.service.stopping:
             # uvicorn would start another graceful wait; an operator who signals twice
             # wants the process gone now.
             log.warning(
@@ -71,13 +75,15 @@ class DrainingServer(uvicorn.Server):
             )
             logging.shutdown()
             os._exit(128 + sig)
-        self.service.begin_drain()
+        self.service.begin_stop()
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
         self._drain = asyncio.ensure_future(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
+        await asyncio.sleep(self.delay)
+        self.service.begin_drain()
         if not await self.service.wait_idle(self.grace):
             log.warning(
                 "grace period of %s s over with %d requests in flight",
@@ -132,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
         # the connection asking among those open, so N + 1 is what lets N connections in.
         limit_concurrency=settings.max_connections + 1,
     )
-    server = DrainingServer(config, app.state.service, settings.shutdown_grace)
+    server = DrainingServer(
+        config, app.state.service, settings.drain_delay, settings.shutdown_grace
+    )
     server.run()
     sys.exit(server.exit_code)
 

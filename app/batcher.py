@@ -28,11 +28,12 @@ import torch
 from app.errors import BackendError, OverloadedError, ServiceError
 from app.memory import Trimmer
 from app.metrics import Metrics
-from model import AttentionSpec, BatchOutput, Embedder, Encoded, finish
+from model import AttentionSpec, BatchOutput, Embedder, Encoded, Task, finish
 
 log = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float32]
+IntArray = npt.NDArray[np.int64]
 # How far past the oldest input the worker looks for inputs of a similar length.
 WINDOW_FACTOR = 4
 # Seconds without a new input after which the worker stops waiting for a fuller batch.
@@ -59,6 +60,8 @@ class ItemResult:
     embedding: FloatArray | None  # (D,)
     token_embeddings: FloatArray | None  # (T, hidden)
     attention: dict[int, FloatArray] | None  # layer -> (h, T, T), or (T, T) for a mean
+    scores: FloatArray | None = None  # a classifier's raw logits, (labels,)
+    sparse: tuple[IntArray, FloatArray] | None = None  # SPLADE: vocabulary ids and weights
 
 
 @dataclass(eq=False, slots=True)
@@ -338,6 +341,8 @@ class Batcher:
         self, batch: list[WorkItem], output: BatchOutput, started: float, seconds: float
     ) -> None:
         pooled = output.pooled.numpy()
+        task = self.embedder.info.task
+        embeddings = finished_embeddings(batch, pooled) if task is Task.EMBED else {}
         deliveries: list[Delivery] = []
         for row, item in enumerate(batch):
             ticket = item.ticket
@@ -349,15 +354,15 @@ class Batcher:
             ticket.queue_seconds = max(ticket.queue_seconds, queued)
             ticket.inference_seconds = max(ticket.inference_seconds, seconds)
             ticket.results[item.row] = ItemResult(
-                finish(pooled[row : row + 1], wants.normalize, wants.dimensions)[0]
-                if wants.pooled
-                else None,
+                embeddings.get(row),
                 output.token_embeddings[row].numpy()
                 if wants.token_embeddings and output.token_embeddings
                 else None,
                 {layer: maps.numpy() for layer, maps in output.attentions[row].items()}
                 if output.attentions
                 else None,
+                pooled[row].copy() if wants.pooled and task is Task.CLASSIFY else None,
+                nonzero(pooled[row]) if wants.pooled and task is Task.SPARSE else None,
             )
             ticket.remaining -= 1
             if ticket.remaining == 0:
@@ -382,6 +387,26 @@ class Batcher:
             self._loop.call_soon_threadsafe(callback, arg)
         except RuntimeError:  # the event loop closed during shutdown: nobody is waiting
             log.warning("dropping %d results: the event loop is closed", len(arg))
+
+
+def finished_embeddings(batch: list[WorkItem], pooled: FloatArray) -> dict[int, FloatArray]:
+    """Each row's vector cut and normalised as its request asks: one numpy call per distinct
+    (normalize, dimensions) in the batch, not one per row."""
+    groups: dict[tuple[bool, int | None], list[int]] = {}
+    for row, item in enumerate(batch):
+        wants = item.ticket.wants
+        if wants.pooled:
+            groups.setdefault((wants.normalize, wants.dimensions), []).append(row)
+    done: dict[int, FloatArray] = {}
+    for (normalize, dimensions), rows in groups.items():
+        done.update(zip(rows, finish(pooled[rows], normalize, dimensions), strict=True))
+    return done
+
+
+def nonzero(weights: FloatArray) -> tuple[IntArray, FloatArray]:
+    """A SPLADE vector as the vocabulary ids it weighs and their weights."""
+    ids = np.flatnonzero(weights)
+    return ids, weights[ids]
 
 
 def _map_values(spec: AttentionSpec, width: int, count: int) -> int:

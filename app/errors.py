@@ -9,6 +9,7 @@
      ├── UnsupportedMediaError  415  body is not application/json
      ├── ValidationFailedError  422  a field is invalid (too long, bad dimensions, ...)
      ├── OverloadedError        429  the queue is full (with Retry-After)
+     ├── WrongTaskError         424  the loaded model does not do what the route does
      ├── ClientDisconnectedError 499 the client went away (logged and counted, never sent)
      ├── BackendError           500  the forward pass failed for this input
      ├── UnavailableError       503  not ready or draining: nothing ran, safe to retry elsewhere
@@ -73,6 +74,12 @@ class ValidationFailedError(ServiceError):
     """A field is invalid."""
 
     status, error_type, openai_type = 422, "Validation", "invalid_request_error"
+
+
+class WrongTaskError(ServiceError):
+    """The route needs another kind of model (text-embeddings-inference answers 424 too)."""
+
+    status, error_type, openai_type = 424, "WrongModelType", "invalid_request_error"
 
 
 class OverloadedError(ServiceError):

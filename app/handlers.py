@@ -80,14 +80,19 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(request, error)
 
 
+# Fields that hold what is to be encoded; an empty one is a 400 (Empty), not a 422.
+_INPUT_FIELDS = ("inputs", "input", "texts", "query")
+
+
 def _is_empty_input(errors: Sequence[Any]) -> bool:
     """An empty string or list where inputs go (the schema says minLength 1): a 400, as
-    OpenAI answers it, rather than a 422."""
-    return any(
-        e.get("type") in ("string_too_short", "too_short")
-        and [part for part in e.get("loc", ()) if part != "body"][:1] in (["inputs"], ["input"])
-        for e in errors
-    )
+    OpenAI and text-embeddings-inference answer it, rather than a 422."""
+    for error in errors:
+        where = [part for part in error.get("loc", ()) if part != "body"]
+        too_short = error.get("type") in ("string_too_short", "too_short")
+        if too_short and where and where[0] in _INPUT_FIELDS:
+            return True
+    return False
 
 
 def _not_unicode(errors: Sequence[Any]) -> ValidationFailedError | None:

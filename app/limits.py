@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from app.errors import EmptyInputError, PayloadTooLargeError, ValidationFailedError
-from app.params import AttentionQuery, EncodeOptions, RawInput
+from app.params import AttentionQuery, EncodeOptions, RawInput, TextPair
 from app.settings import Settings
 from model import AttentionSpec, Encoded, ModelInfo
 
@@ -18,7 +18,7 @@ class Limits:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
-    def check_inputs(self, inputs: Sequence[RawInput]) -> None:
+    def check_inputs(self, inputs: Sequence[RawInput | TextPair]) -> None:
         """400 for no input or an empty one; 413 for too many inputs or characters."""
         if not inputs:
             raise EmptyInputError("the request holds no input")
@@ -29,12 +29,14 @@ class Limits:
             )
         chars = self.settings.max_input_chars
         for index, item in enumerate(inputs):
-            if len(item) == 0:
+            texts = item if isinstance(item, tuple) else [item]
+            if any(len(text) == 0 for text in texts):
                 raise EmptyInputError(f"input {index} is empty")
-            if isinstance(item, str) and len(item) > chars:
-                raise PayloadTooLargeError(
-                    f"input {index} has {len(item)} characters, more than the limit of {chars}"
-                )
+            for text in texts:
+                if isinstance(text, str) and len(text) > chars:
+                    raise PayloadTooLargeError(
+                        f"input {index} has {len(text)} characters, more than the limit of {chars}"
+                    )
 
     def check_dimensions(self, dimensions: int | None, info: ModelInfo) -> None:
         if dimensions is not None and not 1 <= dimensions <= info.dimensions:

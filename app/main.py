@@ -10,12 +10,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from app.fastpath import FAST_ROUTES
 from app.handlers import install_handlers
 from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
 from app.openapi import bounded_openapi
 from app.responses import JSONResponse
-from app.routes import encode, openai, ops, playground, tei
+from app.routes import classify, encode, openai, ops, playground, sparse, tei
 from app.service import EmbeddingService
 from app.settings import Settings
 
@@ -23,8 +24,10 @@ log = logging.getLogger(__name__)
 
 # Routers whose routes need the API key when one is set (and /info). Probes, metrics, the
 # docs and the pages stay open: orchestrators and people call them without a key.
-PROTECTED_ROUTERS = (tei, openai, encode)
-PROTECTED_PATHS = frozenset({"/info"})
+PROTECTED_ROUTERS = (tei, openai, encode, classify, sparse)
+PROTECTED_ROUTES = frozenset({("GET", "/info")})
+# Paths the concurrency limit never counts: probes must answer under any load.
+UNLIMITED_PATHS = frozenset({"/health", "/live", "/ping", "/metrics"})
 
 
 def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
@@ -59,18 +62,22 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
         # /docs and /redoc with assets from the app itself.
         docs_url=None,
         redoc_url=None,
+        # FastAPI's own OpenTelemetry hooks ask for a provider on every request; this service
+        # reports through its Prometheus metrics instead.
+        telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.service = service
     routes: set[str] = set()
-    protected = set(PROTECTED_PATHS)
-    for module in (tei, openai, encode, ops, playground):
+    protected = set(PROTECTED_ROUTES)
+    for module in (tei, openai, encode, classify, sparse, ops, playground):
         app.include_router(module.router)
-        paths = {getattr(route, "path", "") for route in module.router.routes}
-        routes.update(paths)
-        if module in PROTECTED_ROUTERS:
-            protected.update(paths)
+        for route in module.router.routes:
+            path = getattr(route, "path", "")
+            routes.add(path)
+            if module in PROTECTED_ROUTERS:
+                protected.update((method, path) for method in getattr(route, "methods", ()))
     install_handlers(app)
     # The schema states the loaded model's bounds (token ids, dimensions, ...) once it has them,
     # and the API key on the routes that need it.
@@ -93,5 +100,9 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
         routes=routes,
         protected=frozenset(protected),
         api_key=api_key,
+        max_concurrent=settings.max_concurrent_requests,
+        unlimited=UNLIMITED_PATHS,
+        service=service,
+        fast_routes=FAST_ROUTES,
     )
     return app

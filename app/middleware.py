@@ -1,9 +1,10 @@
 """Pure ASGI middleware (cheaper than BaseHTTPMiddleware), in front of every route.
 
 It gives each request an id, counts it in the metrics, and protects the workers from
-careless or hostile clients before any route runs: a missing or wrong API key is refused
-before the body is read, a body over the payload limit as soon as that is known, and a
-body that trickles in slower than `body_timeout` gets a 408.
+careless or hostile clients before any route runs: past `max_concurrent_requests` in
+progress a request gets a fast 429 (probes and metrics never count), a missing or wrong API
+key is refused before the body is read, a body over the payload limit as soon as that is
+known, and a body that trickles in slower than `body_timeout` gets a 408.
 """
 
 from __future__ import annotations
@@ -14,13 +15,21 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Container
+from collections.abc import Container, Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import PayloadTooLargeError, ServiceError, SlowBodyError, UnauthorizedError
+from app.errors import (
+    OverloadedError,
+    PayloadTooLargeError,
+    ServiceError,
+    SlowBodyError,
+    UnauthorizedError,
+)
+from app.fastpath import FastRoute, dispatch
 from app.handlers import render_error
 from app.metrics import Metrics
+from app.service import EmbeddingService
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +43,12 @@ class ServiceMiddleware:
         payload_limit: int,
         body_timeout: float,
         routes: Container[str],
-        protected: Container[str],
+        protected: Container[tuple[str, str]],
         api_key: str | None,
+        max_concurrent: int,
+        unlimited: Container[str],
+        service: EmbeddingService,
+        fast_routes: Mapping[tuple[str, str], FastRoute],
     ) -> None:
         self.app = app
         self.metrics = metrics
@@ -44,6 +57,13 @@ class ServiceMiddleware:
         self.routes = routes
         self.protected = protected
         self.api_key = api_key.encode() if api_key else None
+        # Requests in progress, and the paths that never count: probes must answer whatever
+        # the load, or an orchestrator restarts a busy replica.
+        self.max_concurrent = max_concurrent
+        self.unlimited = unlimited
+        self.active = 0
+        self.service = service
+        self.fast_routes = fast_routes
         # Unique per process start, then a counter: cheaper than a uuid4 per request.
         self._id_prefix = uuid.uuid4().hex[:12]
         self._id_counter = itertools.count(1)
@@ -75,10 +95,20 @@ class ServiceMiddleware:
                 ]
             await send(message)
 
+        admitted = False
         try:
-            self._check_key(path, headers)
+            if path not in self.unlimited:
+                self._admit()
+                admitted = True
+            self._check_key(scope["method"], path, headers)
             if scope["method"] in ("POST", "PUT", "PATCH"):
-                receive = await self._read_body(headers, receive)
+                raw, receive = await self._read_body(headers, receive)
+                fast = self.fast_routes.get((scope["method"], path))
+                if fast is not None and _is_json(headers):
+                    response = await dispatch(fast, raw, self.service, receive)
+                    if response is not None:
+                        await response(scope, receive, send_with_id)
+                        return
             await self.app(scope, receive, send_with_id)
         except ServiceError as error:  # raised here, before any route ran
             response = render_error(self.metrics, path, error, request_id)
@@ -92,21 +122,33 @@ class ServiceMiddleware:
             response = render_error(self.metrics, path, ServiceError("internal error"), request_id)
             await response(scope, receive, send_with_id)
         finally:
+            if admitted:
+                self.active -= 1
             self.metrics.requests.labels(route, str(status)).inc()
             if route != "other":
                 self.metrics.request_seconds.observe(time.perf_counter() - started)
 
-    def _check_key(self, path: str, headers: dict[bytes, bytes]) -> None:
+    def _admit(self) -> None:
+        if self.active >= self.max_concurrent:
+            raise OverloadedError(
+                f"{self.active} requests are in progress, the limit of this server; retry in 1 s",
+                retry_after=1,
+            )
+        self.active += 1
+
+    def _check_key(self, method: str, path: str, headers: dict[bytes, bytes]) -> None:
         """Inference and /info need `Authorization: Bearer <key>` when an API key is set."""
-        if self.api_key is None or path not in self.protected:
+        if self.api_key is None or (method, path) not in self.protected:
             return
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.api_key):
             raise UnauthorizedError("missing or wrong API key (send 'Authorization: Bearer <key>')")
 
-    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> Receive:
-        """Read the whole body, within the payload limit and the body timeout, then hand it
-        on as one message."""
+    async def _read_body(
+        self, headers: dict[bytes, bytes], receive: Receive
+    ) -> tuple[bytes, Receive]:
+        """Read the whole body, within the payload limit and the body timeout; return it and
+        a `receive` that hands it on as one message."""
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.payload_limit:
             raise self._too_large()
@@ -126,6 +168,7 @@ class ServiceMiddleware:
             raise SlowBodyError(
                 f"the body did not arrive within the body timeout of {self.body_timeout:g} s"
             ) from exc
+        raw = bytes(body)
         replayed = False
 
         async def replay() -> Message:
@@ -133,11 +176,16 @@ class ServiceMiddleware:
             if replayed:
                 return await receive()  # later calls wait for the disconnect, as usual
             replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return {"type": "http.request", "body": raw, "more_body": False}
 
-        return replay
+        return raw, replay
 
     def _too_large(self) -> PayloadTooLargeError:
         return PayloadTooLargeError(
             f"the body is over the payload limit of {self.payload_limit} bytes"
         )
+
+
+def _is_json(headers: dict[bytes, bytes]) -> bool:
+    media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+    return media == b"application/json"

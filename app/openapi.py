@@ -49,7 +49,7 @@ def fill_bounds(node: Any, values: Mapping[str, Mapping[str, Any]]) -> None:
             fill_bounds(child, values)
 
 
-def declare_api_key(schema: OpenAPI, protected: Collection[str]) -> None:
+def declare_api_key(schema: OpenAPI, protected: Collection[tuple[str, str]]) -> None:
     schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
     schemes[SECURITY_SCHEME] = {
         "type": "http",
@@ -57,8 +57,8 @@ def declare_api_key(schema: OpenAPI, protected: Collection[str]) -> None:
         "description": "The server's API key (--api-key), as 'Authorization: Bearer <key>'.",
     }
     for path, operations in schema["paths"].items():
-        if path in protected:
-            for operation in operations.values():
+        for method, operation in operations.items():
+            if (method.upper(), path) in protected:
                 operation["security"] = [{SECURITY_SCHEME: []}]
 
 
@@ -66,11 +66,11 @@ def bounded_openapi(
     app: FastAPI,
     model: Callable[[], ModelInfo | None],
     settings: Settings,
-    protected: Collection[str],
+    protected: Collection[tuple[str, str]],
 ) -> Callable[[], OpenAPI]:
     """A replacement for `app.openapi`: FastAPI's schema (built once and cached), with the
-    API key declared on the `protected` paths when one is set, and the bounds filled in the
-    first time it is asked for after the model has loaded."""
+    API key declared on the `protected` (method, path) pairs when one is set, and the bounds
+    filled in the first time it is asked for after the model has loaded."""
     filled = False
 
     def openapi() -> OpenAPI:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from model import Direction
 
 RawInput = str | list[int]
+# Two texts scored together by a cross-encoder (a query and a passage, say).
+TextPair = tuple[str, str]
 
 
 @dataclass(frozen=True, slots=True)

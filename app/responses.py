@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -60,11 +61,6 @@ def array_payload(array: FloatArray, encoding: Encoding) -> Any:
     return {"dtype": "float32", "shape": list(array.shape), "data": base64_floats(array)}
 
 
-def embeddings(result: EncodeResult) -> FloatArray:
-    """(N, D') float32, C-contiguous: the finished pooled vectors."""
-    return np.stack([item.embedding for item in result.items if item.embedding is not None])
-
-
 def usage_payload(result: EncodeResult) -> dict[str, int]:
     """OpenAI's usage block; embeddings have no completion, so both counts are the input's."""
     return {"prompt_tokens": result.token_count, "total_tokens": result.token_count}
@@ -73,8 +69,13 @@ def usage_payload(result: EncodeResult) -> dict[str, int]:
 def timing_headers(result: EncodeResult) -> dict[str, str]:
     """Per-request figures in the headers text-embeddings-inference uses (milliseconds)."""
     timings = result.timings
+    total = f"{(time.perf_counter() - timings.started) * 1000:.2f}"
     return {
+        "x-compute-type": result.model.device.split(":")[0],
+        "x-compute-characters": str(result.char_count),
         "x-compute-tokens": str(result.token_count),
+        "x-compute-time": total,
+        "x-total-time": total,
         "x-tokenization-time": f"{timings.tokenization * 1000:.2f}",
         "x-queue-time": f"{timings.queue * 1000:.2f}",
         "x-inference-time": f"{timings.inference * 1000:.2f}",

@@ -8,9 +8,18 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
-from app.params import AttentionQuery, EncodeOptions, RawInput
+from app.params import AttentionQuery, EncodeOptions, RawInput, TextPair
 from model import Direction
 
 
@@ -67,28 +76,31 @@ def as_list(inputs: Inputs) -> list[RawInput]:
     return [item for item in inputs if not isinstance(item, int)]
 
 
+TruncationDirection = Literal["right", "left", "Right", "Left"]
+TRUNCATE_DESCRIPTION = "Cut inputs longer than the model's limit; null: the server default."
+DIRECTION_DESCRIPTION = "Which end of a long input is cut."
+PROMPT_DESCRIPTION = (
+    "A prompt from the model's sentence-transformers config, prepended; null: the model's "
+    "default prompt, if it has one; an empty string: no prompt."
+)
+
+
+def direction_of(value: TruncationDirection) -> Direction:
+    return "left" if value.lower() == "left" else "right"
+
+
 class TruncatingRequest(Request):
     inputs: Inputs = Field(description=INPUTS_DESCRIPTION)
-    truncate: StrictBool | None = Field(
-        None, description="Cut inputs longer than the model's limit; null: the server default."
-    )
-    truncation_direction: Literal["right", "left", "Right", "Left"] = Field(
-        "right", description="Which end of a long input is cut."
-    )
-    prompt_name: PromptName | None = Field(
-        None,
-        description=(
-            "A prompt from the model's sentence-transformers config, prepended; null: the "
-            "model's default prompt, if it has one; an empty string: no prompt."
-        ),
-    )
+    truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
+    truncation_direction: TruncationDirection = Field("right", description=DIRECTION_DESCRIPTION)
+    prompt_name: PromptName | None = Field(None, description=PROMPT_DESCRIPTION)
 
     def inputs_list(self) -> list[RawInput]:
         return as_list(self.inputs)
 
     @property
     def direction(self) -> Direction:
-        return "left" if self.truncation_direction.lower() == "left" else "right"
+        return direction_of(self.truncation_direction)
 
     def options(self) -> EncodeOptions:
         return EncodeOptions(self.truncate, self.direction, self.prompt_name)
@@ -122,6 +134,132 @@ class TokenizeRequest(TruncatingRequest):
     add_special_tokens: StrictBool = Field(True, description="Add [CLS], [SEP] and the like.")
 
 
+class SimilarityInput(Request):
+    source_sentence: Text = Field(description="The sentence the others are compared with.")
+    sentences: Annotated[list[Text], Field(min_length=1)] = Field(
+        description="Sentences to compare with the source sentence."
+    )
+
+
+class SimilarityParameters(Request):
+    truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
+    truncation_direction: TruncationDirection = Field("right", description=DIRECTION_DESCRIPTION)
+    prompt_name: PromptName | None = Field(None, description=PROMPT_DESCRIPTION)
+
+
+class SimilarityRequest(Request):
+    """What huggingface_hub's `InferenceClient.sentence_similarity` sends."""
+
+    inputs: SimilarityInput
+    parameters: SimilarityParameters | None = None
+
+    def texts(self) -> list[RawInput]:
+        return [self.inputs.source_sentence, *self.inputs.sentences]
+
+    def options(self) -> EncodeOptions:
+        parameters = self.parameters or SimilarityParameters()
+        return EncodeOptions(
+            parameters.truncate,
+            direction_of(parameters.truncation_direction),
+            parameters.prompt_name,
+        )
+
+
+class DecodeRequest(Request):
+    ids: (
+        Annotated[list[TokenId], Field(min_length=1)]
+        | list[Annotated[list[TokenId], Field(min_length=1)]]
+    ) = Field(description="One list of token ids, or a list of them.")
+    skip_special_tokens: StrictBool = Field(
+        True, description="Leave [CLS], [SEP] and the like out."
+    )
+
+    def ids_list(self) -> list[list[int]]:
+        if self.ids and all(isinstance(item, int) for item in self.ids):
+            return [[item for item in self.ids if isinstance(item, int)]]
+        return [item for item in self.ids if isinstance(item, list)]
+
+
+class EmbedSparseRequest(TruncatingRequest):
+    pass
+
+
+class SparseValue(BaseModel):
+    index: int = Field(description="A vocabulary id.")
+    value: float = Field(description="Its weight (only ids with a weight are listed).")
+
+
+# Cross-encoders ---------------------------------------------------------------------------
+SingleOrPair = Annotated[list[Text], Field(min_length=1, max_length=2)]
+
+
+class PredictRequest(Request):
+    inputs: Text | Annotated[list[Text | SingleOrPair], Field(min_length=1)] = Field(
+        description=(
+            "A text, a pair of texts [text, text], or a batch of texts and pairs: "
+            "[[text], [text, text], ...]."
+        )
+    )
+    truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
+    truncation_direction: TruncationDirection = Field("right", description=DIRECTION_DESCRIPTION)
+    raw_scores: StrictBool = Field(
+        False, description="Logits as they are; else a softmax over the labels (a sigmoid for one)."
+    )
+
+    @model_validator(mode="after")
+    def _flat_list_is_one_input(self) -> PredictRequest:
+        if isinstance(self.inputs, list) and not self.is_batch() and len(self.inputs) > 2:
+            raise ValueError(
+                "inputs: a flat list is one text or one pair; send a batch as a list of lists"
+            )
+        return self
+
+    def is_batch(self) -> bool:
+        return isinstance(self.inputs, list) and any(isinstance(i, list) for i in self.inputs)
+
+    def inputs_list(self) -> list[RawInput | TextPair]:
+        """One input per text or pair; a flat list of two texts is one pair."""
+        if isinstance(self.inputs, str):
+            return [self.inputs]
+        if not self.is_batch():
+            return [as_input([item for item in self.inputs if isinstance(item, str)])]
+        return [as_input(item if isinstance(item, list) else [item]) for item in self.inputs]
+
+    def options(self) -> EncodeOptions:
+        return EncodeOptions(self.truncate, direction_of(self.truncation_direction), prompt_name="")
+
+
+def as_input(texts: list[str]) -> RawInput | TextPair:
+    """[text] is a text, [first, second] a pair (the validator allows no longer list)."""
+    return texts[0] if len(texts) == 1 else (texts[0], texts[1])
+
+
+class Prediction(BaseModel):
+    score: float
+    label: str
+
+
+class RerankRequest(Request):
+    query: Text = Field(description="What the texts are ranked against.")
+    texts: Annotated[list[Text], Field(min_length=1)] = Field(description="Texts to rank.")
+    truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
+    truncation_direction: TruncationDirection = Field("right", description=DIRECTION_DESCRIPTION)
+    raw_scores: StrictBool = Field(False, description="The logit as it is; else its sigmoid.")
+    return_text: StrictBool = Field(False, description="Return each text with its score.")
+
+    def pairs(self) -> list[RawInput | TextPair]:
+        return [(self.query, text) for text in self.texts]
+
+    def options(self) -> EncodeOptions:
+        return EncodeOptions(self.truncate, direction_of(self.truncation_direction), prompt_name="")
+
+
+class Rank(BaseModel):
+    index: int = Field(description="The text's position in the request.")
+    score: float
+    text: str | None = Field(None, description="The text, when return_text is true.")
+
+
 class SimpleToken(BaseModel):
     id: int
     text: str = Field(description="The input's characters for this token, or a special token.")
@@ -148,6 +286,18 @@ class OpenAIEmbeddingRequest(Request):
     def options(self) -> EncodeOptions:
         """OpenAI's vectors are always normalised; the model's default prompt applies."""
         return EncodeOptions(dimensions=self.dimensions)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(description="When this server loaded the model (Unix seconds).")
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
 
 
 class OpenAIEmbedding(BaseModel):
@@ -265,7 +415,11 @@ class Limits(BaseModel):
 
 class InfoResponse(BaseModel):
     model_id: str
-    model_type: str
+    task: Literal["embed", "classify", "sparse"] = Field(
+        description="What the model serves: /embed, /predict and /rerank, or /embed_sparse."
+    )
+    labels: list[str] = Field(description="A classifier's labels, in the order of its logits.")
+    architecture: str = Field(description="config.json's model_type: bert, roberta, ...")
     dimensions: int = Field(description="Size of the pooled vectors (after any Dense layer).")
     hidden_size: int = Field(description="Size of the per-token vectors.")
     max_input_tokens: int
@@ -285,6 +439,19 @@ class InfoResponse(BaseModel):
     auto_truncate: bool
     limits: Limits
     version: str
+    # text-embeddings-inference's names for the same facts, for clients that read them.
+    model_sha: str | None = None
+    model_dtype: str
+    model_type: dict[str, dict[str, object]] = Field(
+        description='text-embeddings-inference\'s: {"embedding": {"pooling": "mean"}} and the like.'
+    )
+    max_concurrent_requests: int
+    max_input_length: int
+    max_client_batch_size: int
+    max_batch_requests: int | None
+    tokenization_workers: int
+    sha: str | None = None
+    docker_label: str | None = None
 
 
 class StatusResponse(BaseModel):

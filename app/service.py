@@ -10,32 +10,38 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from app.batcher import Batcher, ItemResult, Ticket, Wants
 from app.errors import (
     ClientDisconnectedError,
     DeadlineError,
+    ServiceError,
     UnavailableError,
     ValidationFailedError,
+    WrongTaskError,
 )
 from app.limits import Limits
 from app.metrics import Metrics
 from app.params import EncodeOptions, RawInput
 from app.settings import Settings
-from model import AttentionSpec, Embedder, Encoded, InputError, ModelInfo, PromptError
+from app.tokenization import Input, Tokenization, characters, prompt_of
+from model import AttentionSpec, Embedder, Encoded, ModelInfo, Task
+from model.device import available_cpus
+from model.similarity import similarity
 
 log = logging.getLogger(__name__)
 
+FloatArray = npt.NDArray[np.float32]
+TASK_NAMES = {Task.EMBED: "an embedding", Task.CLASSIFY: "a classifier", Task.SPARSE: "a sparse"}
+
 # Makes a coroutine that completes when the client goes away.
 DisconnectWatch = Callable[[], Coroutine[Any, Any, None]]
-# Requests with fewer characters than this are tokenized on the event loop: for a sentence,
-# the hop to a thread costs more than the tokenizing.
-INLINE_TOKENIZE_CHARS = 2048
 
 
 def warm_up_batch(embedder: Embedder) -> list[Encoded]:
@@ -46,6 +52,7 @@ def warm_up_batch(embedder: Embedder) -> list[Encoded]:
 
 @dataclass(frozen=True, slots=True)
 class Timings:
+    started: float  # perf_counter() when the request reached the service
     tokenization: float
     queue: float
     inference: float
@@ -58,10 +65,15 @@ class EncodeResult:
     items: list[ItemResult]
     timings: Timings
     attention: AttentionSpec | None = None  # the maps computed, resolved against the model
+    char_count: int = 0  # characters of the text inputs
 
     @property
     def token_count(self) -> int:
         return sum(len(e.ids) for e in self.encoded)
+
+    def vectors(self) -> FloatArray:
+        """(N, D) float32, C-contiguous: every input's finished pooled vector."""
+        return np.stack([item.embedding for item in self.items if item.embedding is not None])
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,23 +93,29 @@ class EmbeddingService:
         self.embedder: Embedder | None = None
         self.batcher: Batcher | None = None
         self.warmed_up = False
+        self.loaded_at = 0  # Unix seconds, once the model is loaded
+        # A stop signal came: /health says 503, so that balancers stop sending work here.
+        self.stopping = False
+        # New inference is refused; what was accepted finishes.
         self.draining = False
         self.load_error: str | None = None
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._tokenizer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self.tokenization = Tokenization(metrics, settings.auto_truncate)
 
     # Lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         """Load the model, warm it up, then start the worker (all off the event loop)."""
         settings = self.settings
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
+        threads = settings.threads or available_cpus()
+        torch.set_num_threads(threads)
+        log.info("%d torch threads", threads)
         try:
             embedder = await asyncio.to_thread(
                 Embedder.load,
                 settings.model_id,
+                task=settings.task,
                 device=settings.device,
                 dtype=settings.dtype,
                 allow_download=settings.allow_download,
@@ -108,6 +126,7 @@ class EmbeddingService:
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
         self.embedder = embedder
+        self.loaded_at = int(time.time())
         info = embedder.info
         self.metrics.model_info.labels(info.model_id, info.dtype, info.device).set(1)
         self.batcher = Batcher(
@@ -139,13 +158,20 @@ class EmbeddingService:
     async def stop(self) -> None:
         if self.batcher is not None:
             await asyncio.to_thread(self.batcher.stop)
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.tokenization.shutdown()
+
+    def begin_stop(self) -> None:
+        """/health turns 503 while inference is still accepted (for `drain_delay`): load
+        balancers take the replica out before it refuses anything."""
+        if not self.stopping:
+            log.info("stopping: /health is 503, new requests accepted for now")
+        self.stopping = True
 
     def begin_drain(self) -> None:
-        """From now on /health is 503 and new inference gets 503; accepted work finishes."""
+        """From now on new inference gets 503 too; accepted work finishes."""
         if not self.draining:
             log.info("draining: %d requests in flight", self.inflight)
-        self.draining = True
+        self.stopping = self.draining = True
 
     async def wait_idle(self, grace: float) -> bool:
         """Wait until no accepted request is in flight; False if the grace period ran out."""
@@ -162,16 +188,21 @@ class EmbeddingService:
 
     @property
     def ready(self) -> bool:
+        """Readiness (/health): loaded, warmed up, worker alive, no stop signal."""
+        return self.warmed_up and not self.stopping and self.worker_alive
+
+    @property
+    def accepting(self) -> bool:
         return self.warmed_up and not self.draining and self.worker_alive
 
     @property
     def broken(self) -> bool:
         """The worker died after warm-up: the process can no longer serve, only a restart
         helps (liveness fails)."""
-        return self.warmed_up and not self.worker_alive and not self.draining
+        return self.warmed_up and not self.worker_alive and not self.stopping
 
     def not_ready_reason(self) -> str:
-        if self.draining:
+        if self.stopping:
             return "the server is shutting down"
         if self.load_error:
             return f"the model failed to load: {self.load_error}"
@@ -180,7 +211,7 @@ class EmbeddingService:
         return "the batch worker has stopped"
 
     def check_ready(self) -> Embedder:
-        if not self.ready or self.embedder is None:
+        if not self.accepting or self.embedder is None:
             raise UnavailableError(self.not_ready_reason())
         return self.embedder
 
@@ -197,27 +228,44 @@ class EmbeddingService:
     ) -> Tokenized:
         embedder = self.check_ready()
         self.limits.check_inputs(inputs)
-        encoded, _ = await self._tokenize(embedder, inputs, options, add_special_tokens)
-        prompt = self._prompt(embedder, options)
+        encoded, _ = await self.tokenization.run(
+            embedder, inputs, options, add_special_tokens=add_special_tokens
+        )
+        prompt = prompt_of(embedder, options)
         texts = [prompt + item if isinstance(item, str) else item for item in inputs]
         return Tokenized(texts, encoded)
 
+    def check_task(self, task: Task) -> ModelInfo:
+        """424 when the loaded model does not do what a route needs."""
+        info = self.check_ready().info
+        if info.task is not task:
+            raise WrongTaskError(
+                f"this route needs {TASK_NAMES[task]} model; the loaded model is "
+                f"{TASK_NAMES[info.task]} model ({info.model_id})"
+            )
+        return info
+
     async def encode(
         self,
-        inputs: Sequence[RawInput],
+        inputs: Sequence[Input],
         options: EncodeOptions,
         disconnected: DisconnectWatch | None = None,
+        task: Task | None = Task.EMBED,
     ) -> EncodeResult:
         """Check, tokenize, queue every input, and wait for all results (timeout and
-        disconnect aware)."""
-        deadline = time.perf_counter() + self.settings.request_timeout
+        disconnect aware). `task` is what the route needs (None: any model, for per-token
+        outputs)."""
+        started = time.perf_counter()
+        deadline = started + self.settings.request_timeout
+        if task is not None:
+            self.check_task(task)
         embedder = self._enter()
         try:
             info = embedder.info
             self.limits.check_inputs(inputs)
             self.limits.check_dimensions(options.dimensions, info)
             attention = self.limits.resolve_attention(options.attention, info)
-            encoded, tokenization = await self._tokenize(embedder, inputs, options)
+            encoded, tokenization = await self.tokenization.run(embedder, inputs, options)
             tokens = self.limits.check_tokens(encoded, options, attention, info)
             wants = Wants(
                 options.pooled,
@@ -233,8 +281,40 @@ class EmbeddingService:
         self.metrics.tokens.inc(tokens)
         for e in encoded:
             self.metrics.input_tokens.observe(len(e.ids))
-        timings = Timings(tokenization, queued, inference)
-        return EncodeResult(info, encoded, results, timings, attention)
+        timings = Timings(started, tokenization, queued, inference)
+        chars = sum(characters(item) for item in inputs if not isinstance(item, list))
+        return EncodeResult(info, encoded, results, timings, attention, chars)
+
+    async def similarity(
+        self,
+        source: str,
+        sentences: Sequence[str],
+        options: EncodeOptions,
+        disconnected: DisconnectWatch | None = None,
+    ) -> tuple[FloatArray, EncodeResult]:
+        """Scores of each sentence against the source, by the model's similarity function,
+        on its vectors as the model gives them (normalised if its modules normalise)."""
+        info = self.check_ready().info
+        own = replace(options, normalize=info.normalize, dimensions=None)
+        result = await self.encode([source, *sentences], own, disconnected)
+        vectors = result.vectors()
+        return similarity(vectors[0], vectors[1:], info.similarity_fn_name), result
+
+    def decode(self, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool) -> list[str]:
+        embedder = self.check_ready()
+        vocabulary = embedder.info.vocab_size
+        for row, sequence in enumerate(ids):
+            for position, token_id in enumerate(sequence):
+                if token_id >= vocabulary:
+                    raise ValidationFailedError(
+                        f"ids {row}: token id {token_id} at position {position} is outside the "
+                        f"vocabulary [0, {vocabulary})",
+                        param="ids",
+                    )
+        return [
+            embedder.tokenizer.decode(sequence, skip_special_tokens=skip_special_tokens)
+            for sequence in ids
+        ]
 
     def _enter(self) -> Embedder:
         """Count an accepted request, so that a drain waits for it."""
@@ -248,47 +328,6 @@ class EmbeddingService:
         if self.inflight == 0:
             self._idle.set()
 
-    @staticmethod
-    def _prompt(embedder: Embedder, options: EncodeOptions) -> str:
-        try:
-            return embedder.prompt(options.prompt_name)
-        except PromptError as exc:
-            raise ValidationFailedError(str(exc), param="prompt_name") from exc
-
-    async def _tokenize(
-        self,
-        embedder: Embedder,
-        inputs: Sequence[RawInput],
-        options: EncodeOptions,
-        add_special_tokens: bool = True,
-    ) -> tuple[list[Encoded], float]:
-        """Tokenize on the event loop when the request is small, else in the tokenizer pool;
-        also return the seconds taken."""
-        truncate = self.settings.auto_truncate if options.truncate is None else options.truncate
-        prompt = self._prompt(embedder, options)
-
-        def run() -> list[Encoded]:
-            return embedder.tokenizer.encode(
-                inputs,
-                truncate=truncate,
-                direction=options.direction,
-                add_special_tokens=add_special_tokens,
-                prompt=prompt,
-            )
-
-        started = time.perf_counter()
-        try:
-            if sum(len(item) for item in inputs) < INLINE_TOKENIZE_CHARS:
-                encoded = run()
-            else:
-                loop = asyncio.get_running_loop()
-                encoded = await loop.run_in_executor(self._tokenizer_pool, run)
-        except InputError as exc:
-            raise ValidationFailedError(str(exc), param="input") from exc
-        seconds = time.perf_counter() - started
-        self.metrics.tokenization_seconds.observe(seconds)
-        return encoded, seconds
-
     async def _run(
         self,
         encoded: list[Encoded],
@@ -296,30 +335,41 @@ class EmbeddingService:
         deadline: float,
         disconnected: DisconnectWatch | None,
     ) -> tuple[list[ItemResult], float, float]:
-        """The request's results, its longest queue wait and its longest forward pass."""
+        """The request's results, its longest queue wait and its longest forward pass.
+
+        The ticket's future is the one thing awaited: the timeout and a disconnect fail it
+        through callbacks (cheaper than asyncio.wait on several), and the worker skips a
+        future that is already done."""
         assert self.batcher is not None, "check_ready() guarantees a batcher"
         loop = asyncio.get_running_loop()
         ticket = Ticket(encoded, wants, loop.create_future())
         self.batcher.submit(ticket)
+        timeout = self.settings.request_timeout
+        timer = loop.call_at(
+            loop.time() + max(0.0, deadline - time.perf_counter()),
+            _fail,
+            ticket,
+            DeadlineError(f"no result within the request timeout of {timeout} s"),
+        )
         watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
-        waiting: set[asyncio.Future[Any]] = {ticket.future}
         if watcher is not None:
-            waiting.add(watcher)
+            watcher.add_done_callback(lambda done: _on_disconnect(done, ticket))
         try:
-            done, _ = await asyncio.wait(
-                waiting,
-                timeout=max(0.0, deadline - time.perf_counter()),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            if ticket.future in done:
-                return ticket.future.result(), ticket.queue_seconds, ticket.inference_seconds
-            ticket.abandoned = True
-            ticket.future.cancel()
-            if watcher is not None and watcher in done:
-                raise ClientDisconnectedError("the client disconnected")
-            raise DeadlineError(
-                f"no result within the request timeout of {self.settings.request_timeout} s"
-            )
+            results = await ticket.future
         finally:
+            timer.cancel()
             if watcher is not None:
                 watcher.cancel()
+        return results, ticket.queue_seconds, ticket.inference_seconds
+
+
+def _on_disconnect(watcher: asyncio.Future[None], ticket: Ticket) -> None:
+    if not watcher.cancelled():  # cancelled: the request ended first
+        _fail(ticket, ClientDisconnectedError("the client disconnected"))
+
+
+def _fail(ticket: Ticket, error: ServiceError) -> None:
+    """Nobody will wait for this ticket's results: the worker drops its queued inputs."""
+    if not ticket.future.done():
+        ticket.abandoned = True
+        ticket.future.set_exception(error)

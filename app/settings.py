@@ -26,6 +26,13 @@ class Settings(BaseSettings):
         DEFAULT_MODEL_ID,
         description="A local checkpoint folder, or the id of an installed model package.",
     )
+    task: Literal["auto", "embed", "classify", "sparse"] = Field(
+        "auto",
+        description=(
+            "What the model serves: embeddings, classification/reranking (a cross-encoder), "
+            "or sparse (SPLADE) embeddings; auto reads it from the model folder."
+        ),
+    )
     allow_download: bool = Field(
         False, description="Fetch unknown model ids with huggingface_hub (needs a network)."
     )
@@ -42,7 +49,10 @@ class Settings(BaseSettings):
     host: str = Field("0.0.0.0", description="Address to listen on.")
     port: int = Field(8080, ge=1, le=65535, description="Port to listen on.")
     threads: int | None = Field(
-        None, ge=1, le=256, description="Torch intra-op threads; default: the machine's cores."
+        None,
+        ge=1,
+        le=256,
+        description="Torch intra-op threads; default: the CPUs the process may use (cgroup quota).",
     )
     max_batch_tokens: int = Field(
         16384, ge=1, description="Padded tokens (longest x count) one forward pass may hold."
@@ -85,10 +95,17 @@ class Settings(BaseSettings):
     body_timeout: float = Field(
         30.0, gt=0, description="Seconds a client may take to send its body (else 408)."
     )
-    max_connections: int = Field(
-        1024,
+    max_concurrent_requests: int = Field(
+        512,
         ge=1,
-        description="Open connections and requests in progress before new ones get a fast 503.",
+        description=(
+            "Requests in progress (probes and metrics aside) before new ones get a fast 429."
+        ),
+    )
+    max_connections: int = Field(
+        2048,
+        ge=1,
+        description="Open connections before new requests, probes included, get uvicorn's 503.",
     )
     payload_limit: int = Field(2_000_000, ge=1024, description="Largest request body in bytes.")
     api_key: SecretStr | None = Field(
@@ -109,6 +126,14 @@ class Settings(BaseSettings):
         4_000_000,
         ge=1,
         description="Most per-token embedding values (tokens x hidden size) one request gets.",
+    )
+    drain_delay: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Seconds after SIGTERM during which /health is 503 but requests are still accepted, "
+            "so that a load balancer's health checks move traffic away before any refusal."
+        ),
     )
     shutdown_grace: float = Field(
         30.0, ge=0, description="Seconds accepted requests get to finish after SIGTERM."

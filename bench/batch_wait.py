@@ -1,54 +1,53 @@
-"""The batch-fill wait on and off: two servers at once, load rounds alternating between them.
+"""The batch-fill wait on and off: two servers at once, wrk rounds alternating between them.
 
 Separate runs on this machine drift by tens of percent; alternating rounds gives both servers
-the same conditions. Usage: python -m bench.batch_wait [--rounds 4] [--requests 1500]
+the same conditions. Usage: python -m bench.batch_wait [--rounds 4] [--seconds 10]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
-import socket
 import statistics
-import subprocess
 
-from bench.server import load, make_sentences, start_server, wait_ready
+import orjson
+
+from bench.workload import short_sentences
+from bench.wrk import Server, WrkResult, run_wrk
 
 CONFIGS = {"batch wait 0 ms": ["--batch-wait-ms", "0"], "batch wait 50 ms": []}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=1500)
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--clients", type=int, default=32)
     args = parser.parse_args()
-    servers: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
+    bodies = [orjson.dumps({"inputs": s}).decode() for s in short_sentences(4096)]
+    servers = {
+        name: Server(["--device", "cpu", "--threads", "2", *flags])
+        for name, flags in CONFIGS.items()
+    }
+    rates: dict[str, list[float]] = {name: [] for name in servers}
+
+    def load(server: Server, seconds: float) -> WrkResult:
+        return run_wrk(
+            server.url, bodies, connections=args.clients, seconds=seconds, vectors=1, dimension=384
+        )
+
     try:
-        for name, flags in CONFIGS.items():
-            port = free_port()
-            servers[name] = (port, start_server(port, 2, flags))
-        for port, process in servers.values():
-            wait_ready(f"http://127.0.0.1:{port}", process)
-            asyncio.run(load("127.0.0.1", port, make_sentences(200, seed=1), args.concurrency))
-        rates: dict[str, list[float]] = {name: [] for name in servers}
-        sentences = make_sentences(args.requests)
+        for server in servers.values():
+            server.wait_ready()
+            load(server, 2)  # warm-up
         for _ in range(args.rounds):
-            for name, (port, _) in servers.items():
-                result = asyncio.run(load("127.0.0.1", port, sentences, args.concurrency))
-                rates[name].append(result.requests_per_second)
+            for name, server in servers.items():
+                result = load(server, args.seconds)
+                if result.bad or result.socket_errors:
+                    raise SystemExit(f"{name}: bad answers: {result.first_bad}")
+                rates[name].append(result.rate)
     finally:
-        for _, process in servers.values():
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=60)
+        for server in servers.values():
+            server.stop()
     for name, values in rates.items():
         print(
             f"{name}: requests/s per round {', '.join(f'{v:.0f}' for v in values)}; "

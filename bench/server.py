@@ -1,195 +1,191 @@
-"""Throughput under many small concurrent requests, against the in-process ceiling.
+"""The real server against the in-process ceiling of this project's own encoder, per dtype.
 
-1. Ceiling: this project's encoder in-process, inputs sorted by length, batches of 32.
-2. Server: the real server process on loopback, `--concurrency` clients each sending one
-   short sentence per request (a bounded async client), every response checked.
-Usage: python -m bench.server [--concurrency 32] [--requests 1500] [--rounds 3] [-- SERVER FLAGS]
+In one run, one process at a time, for each dtype:
+1. The ceiling, in a child process: the encoder on the same texts, tokenization included,
+   sorted by length, in batches of 32, for short sentences and long passages; and the p50 of
+   one single-sentence call (tokenize, forward, pool).
+2. The real server (`python -m app`, loopback) under wrk pinned to one core: 1 x 1, 32 x 1
+   and 4 x 32 short sentences, and 32 x 1 long passages (clients x inputs per request),
+   every response checked (status, vector count, dimension).
+Rounds alternate the two, and each figure keeps its best round: this machine's speed drifts
+by tens of percent from one minute to the next. Each server figure comes with its ratio to
+the ceiling and the server's peak RSS; all is printed and written to bench/results/server.json.
+Usage: python -m bench.server [--dtypes float32 bfloat16] [--seconds 10] [--rounds 2]
+                              [-- SERVER FLAGS]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import functools
-import os
-import random
-import resource
-import signal
-import socket
+import json
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-import httpx
-import numpy as np
 import orjson
-import torch
 
-from bench.http_client import Connection
-from model import DEFAULT_MODEL_ID, Embedder
+from bench.workload import long_passages, short_sentences
+from bench.wrk import Server, WrkResult, run_wrk
 
-SUBJECTS = ["The service", "A worker", "Our model", "The queue", "Each request", "The cluster"]
-VERBS = ["returns", "batches", "embeds", "drops", "measures", "answers"]
-OBJECTS = [
-    "short sentences quickly",
-    "vectors for search",
-    "inputs of mixed length",
-    "requests from many clients",
-    "tokens on two cores",
-    "results in order",
-]
-
-
-def make_sentences(count: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [
-        f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} "
-        f"number {rng.randint(0, 9999)}."
-        for _ in range(count)
-    ]
+RESULTS = Path(__file__).resolve().parent / "results" / "server.json"
+BATCH = 32
+DIMENSION = 384
 
 
 @dataclass(frozen=True)
-class LoadResult:
-    requests_per_second: float
-    latencies: list[float]
-    client_cores: float  # CPU the load generator itself used, in cores
+class Load:
+    name: str
+    clients: int
+    inputs: int  # per request
+    long: bool
+    ceiling: str  # the ceiling figure it is compared with
 
 
-@functools.cache
-def loaded_embedder(threads: int) -> Embedder:
+LOADS = (
+    Load("1 x 1 short", 1, 1, False, "single"),
+    Load("32 x 1 short", 32, 1, False, "short"),
+    Load("4 x 32 short", 4, 32, False, "short"),
+    Load("32 x 1 long", 32, 1, True, "long"),
+)
+
+
+def ceiling(dtype: str, threads: int) -> dict[str, float]:
+    """Run in a child process: texts/s for short and long, single-call p50, peak RSS."""
+    import torch
+
+    from model import Embedder
+
     torch.set_num_threads(threads)
-    return Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype="float32")
+    embedder = Embedder.load(device="cpu", dtype=dtype)
+    figures: dict[str, float] = {}
+    for name, texts in (("short", short_sentences(2048)), ("long", long_passages(256))):
+        ordered = sorted(texts, key=len)
+        embedder.embed(ordered[:BATCH])  # warm-up
+        started = time.perf_counter()
+        for start in range(0, len(ordered), BATCH):
+            embedder.embed(ordered[start : start + BATCH])
+        figures[name] = len(ordered) / (time.perf_counter() - started)
+    singles = []
+    for sentence in short_sentences(300, seed=2):
+        started = time.perf_counter()
+        embedder.embed([sentence])
+        singles.append(time.perf_counter() - started)
+    figures["single_p50_ms"] = statistics.median(singles[50:]) * 1000
+    status = Path("/proc/self/status").read_text()
+    kib = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))
+    figures["peak_rss_mib"] = int(kib) / 1024
+    return figures
 
 
-def ceiling(sentences: list[str], threads: int, batch: int = 32) -> float:
-    """Sentences per second of the encoder alone, tokenization included."""
-    embedder = loaded_embedder(threads)
-    ordered = sorted(sentences, key=len)
-    embedder.embed(ordered[:batch])  # warm-up
-    started = time.perf_counter()
-    for start in range(0, len(ordered), batch):
-        embedder.embed(ordered[start : start + batch])
-    return len(ordered) / (time.perf_counter() - started)
-
-
-def start_server(port: int, threads: int, flags: list[str]) -> subprocess.Popen[bytes]:
+def measure_ceiling(dtype: str, threads: int) -> dict[str, float]:
     command = [
         sys.executable,
         "-m",
-        "app",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
+        "bench.server",
+        "--ceiling-of",
+        dtype,
         "--threads",
         str(threads),
-        "--log-level",
-        "warning",
-        *flags,
     ]
-    return subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    figures: dict[str, float] = json.loads(output.strip().splitlines()[-1])
+    return figures
 
 
-def wait_ready(url: str, process: subprocess.Popen[bytes] | None, within: float = 120) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise SystemExit("the server exited during start-up")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("the server did not become ready")
+def bodies(load: Load) -> list[str]:
+    texts = long_passages(256, seed=5) if load.long else short_sentences(4096, seed=5)
+    chunks = [texts[i : i + load.inputs] for i in range(0, len(texts), load.inputs)]
+    return [
+        orjson.dumps({"inputs": chunk}).decode() for chunk in chunks if len(chunk) == load.inputs
+    ]
 
 
-async def load(host: str, port: int, sentences: list[str], concurrency: int) -> LoadResult:
-    """Send every sentence as its own request from `concurrency` clients; check each answer."""
-    pending = iter(sentences)
-    latencies: list[float] = []
+def run_load(server: Server, load: Load, seconds: float) -> WrkResult:
+    return run_wrk(
+        server.url,
+        bodies(load),
+        connections=load.clients,
+        seconds=seconds,
+        vectors=load.inputs,
+        dimension=DIMENSION,
+    )
 
-    async def client_loop() -> None:
-        connection = await Connection.open(host, port)
-        try:
-            for sentence in pending:
-                sent = time.perf_counter()
-                status, body = await connection.post_json("/embed", {"inputs": sentence})
-                latencies.append(time.perf_counter() - sent)
-                if status != 200:
-                    raise SystemExit(f"status {status}: {body[:200]!r}")
-                vector = np.asarray(orjson.loads(body)[0], dtype=np.float32)
-                if vector.shape != (384,) or abs(float(np.linalg.norm(vector)) - 1) > 1e-3:
-                    raise SystemExit(f"bad vector for {sentence!r}")
-        finally:
-            await connection.close()
 
-    before = resource.getrusage(resource.RUSAGE_SELF)
-    started = time.perf_counter()
-    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    wall = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    return LoadResult(len(sentences) / wall, latencies, cpu / wall)
+def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
+    ceilings = []
+    results: dict[str, list[WrkResult]] = {load.name: [] for load in LOADS}
+    rss: dict[str, float] = {}
+    flags = ["--device", "cpu", "--dtype", dtype, "--threads", str(args.threads), *args.server]
+    server = Server(flags)
+    try:
+        server.wait_ready()
+        info = server.info()
+        for load in LOADS:  # warm-up: the first seconds of a fresh server are slower
+            run_load(server, load, 2)
+        for _ in range(args.rounds):
+            ceilings.append(measure_ceiling(dtype, args.threads))
+            for load in LOADS:
+                results[load.name].append(run_load(server, load, args.seconds))
+                rss[load.name] = server.peak_rss_mib()
+    finally:
+        server.stop()
+    best_ceiling = {key: max(c[key] for c in ceilings) for key in ("short", "long")}
+    best_ceiling["single_p50_ms"] = min(c["single_p50_ms"] for c in ceilings)
+    best_ceiling["peak_rss_mib"] = max(c["peak_rss_mib"] for c in ceilings)
+    figures: dict[str, object] = {"dtype": info["dtype"], "ceiling": best_ceiling, "loads": {}}
+    print(
+        f"\n{dtype}: ceiling {best_ceiling['short']:.0f} short/s, {best_ceiling['long']:.0f} "
+        f"long/s, one sentence p50 {best_ceiling['single_p50_ms']:.2f} ms, peak RSS "
+        f"{best_ceiling['peak_rss_mib']:.0f} MiB"
+    )
+    for load in LOADS:
+        runs = results[load.name]
+        best = max(runs, key=lambda r: r.rate)
+        errors = sum(r.bad + r.socket_errors for r in runs)
+        texts_per_s = best.rate * load.inputs
+        if load.ceiling == "single":
+            p50 = min(r.p50_ms for r in runs)
+            ratio = p50 / best_ceiling["single_p50_ms"]
+            figure = f"p50 {p50:.2f} ms ({ratio:.2f}x the in-process call)"
+        else:
+            ratio = texts_per_s / best_ceiling[load.ceiling]
+            figure = f"{texts_per_s:.0f} texts/s ({ratio:.2f}x the ceiling)"
+        print(
+            f"  {load.name:13} {figure}; {best.rate:.0f} req/s, p50 {best.p50_ms:.1f} ms, "
+            f"p99 {best.p99_ms:.1f} ms; errors {errors}; peak RSS {rss[load.name]:.0f} MiB; "
+            f"wrk used {best.client_cores:.2f} cores"
+        )
+        if errors:
+            print(f"    first bad answer: {next(r.first_bad for r in runs if r.first_bad)}")
+        figures["loads"][load.name] = {  # type: ignore[index]
+            "texts_per_s": texts_per_s,
+            "ratio": ratio,
+            "errors": errors,
+            "peak_rss_mib": rss[load.name],
+            "runs": [asdict(r) for r in runs],
+        }
+    return figures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=1500, help="per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--port", type=int, help="measure a server already on this loopback port")
-    parser.add_argument(
-        "server_flags", nargs="*", help="after --, flags for the server: -- --batch-wait-ms 0"
-    )
+    parser.add_argument("--ceiling-of", help=argparse.SUPPRESS)
+    parser.add_argument("server", nargs="*", help="after --, flags for the server")
     args = parser.parse_args()
-
-    sentences = make_sentences(args.requests)
-    process = None
-    port = args.port
-    if port is None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        process = start_server(port, args.threads, args.server_flags)
-    ceilings: list[float] = []
-    results: list[LoadResult] = []
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", process)
-        asyncio.run(load("127.0.0.1", port, make_sentences(200, seed=1), args.concurrency))
-        # This machine's speed drifts by tens of percent; alternating the two measurements
-        # and keeping the best of each compares them under the same conditions.
-        for _ in range(args.rounds):
-            ceilings.append(ceiling(sentences, args.threads))
-            results.append(asyncio.run(load("127.0.0.1", port, sentences, args.concurrency)))
-    finally:
-        if process is not None:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=60)
-    best_ceiling = max(ceilings)
-    best = max(results, key=lambda result: result.requests_per_second)
-    quantiles = statistics.quantiles(best.latencies, n=100)
-    rate = best.requests_per_second
-    print(
-        f"in-process ceiling: {best_ceiling:.0f} sentences/s "
-        f"(best of {args.rounds}: {', '.join(f'{c:.0f}' for c in ceilings)}; "
-        f"{args.threads} threads, sorted by length, batches of 32)"
-    )
-    print(
-        f"server: {rate:.0f} requests/s at {args.concurrency} concurrent clients, one sentence "
-        f"each (best of {args.rounds}: "
-        f"{', '.join(f'{r.requests_per_second:.0f}' for r in results)}; "
-        f"{args.requests} requests a round, all checked); latency p50 "
-        f"{quantiles[49] * 1000:.0f} ms, p99 {quantiles[98] * 1000:.0f} ms; "
-        f"the load generator used {best.client_cores:.2f} cores"
-    )
-    print(f"ratio server / ceiling: {rate / best_ceiling:.2f}")
+    if args.ceiling_of:
+        print(json.dumps(ceiling(args.ceiling_of, args.threads)))
+        return
+    report = {dtype: benchmark(dtype, args) for dtype in args.dtypes}
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2))
+    print(f"\nwritten to {RESULTS}")
 
 
 if __name__ == "__main__":

@@ -50,12 +50,11 @@ import numpy.typing as npt
 import orjson
 from tokenizers import Tokenizer
 
-from bench.http_client import Connection
 from model import DEFAULT_MODEL_ID
 from model.resolve import resolve_model_dir
 
 HOST = "127.0.0.1"
-LUA = Path(__file__).with_name("soak.lua")
+LUA = Path(__file__).resolve().parent / "lua" / "soak.lua"
 RESULTS = Path(__file__).with_name("results")
 # The server's glibc arenas and trimming turned off (app/memory.py untouched otherwise).
 WITHOUT_TRIM = (
@@ -67,6 +66,39 @@ OVERLOAD_FACTOR = 3
 KEEP_ALIVE = 3.0
 PROBE = orjson.dumps({"inputs": "A short sentence to time a normal client by."})
 FloatArray = npt.NDArray[np.float32]
+
+
+class Connection:
+    """A lean keep-alive HTTP/1.1 client (httpx costs milliseconds of CPU per request, which
+    on this machine the server would lose): one request at a time, Content-Length answers."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> Connection:
+        return cls(*await asyncio.open_connection(host, port))
+
+    async def post(self, path: str, payload: bytes) -> tuple[int, bytes]:
+        """Send a JSON body as it is; the status and the body of the answer."""
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {HOST}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+        )
+        self.writer.write(head.encode("ascii") + payload)
+        status_line = await self.reader.readuntil(b"\r\n")
+        length = 0
+        while (line := await self.reader.readuntil(b"\r\n")) != b"\r\n":
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return int(status_line.split()[1]), await self.reader.readexactly(length)
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
 
 
 # Traffic ---------------------------------------------------------------------------------
@@ -298,6 +330,8 @@ def soak(
             "p50_ms": round(wrk["latency_us"]["p50"] / 1000, 1),
             "p99_ms": round(wrk["latency_us"]["p99"] / 1000, 1),
             "rss_mb": round(server.rss_mb(), 1),
+            # Sampled each second: a leak raises the floor, transient bodies the peaks.
+            "rss_min_mb": round(min(rss, default=0.0), 1),
             "rss_max_mb": round(max(rss, default=0.0), 1),
         }
         print(f"soak minute {minute['minute']}: {json.dumps(minute)}", flush=True)
@@ -309,8 +343,10 @@ def soak(
         "errors": sum(m["errors"] for m in minutes),
     }
     if len(minutes) >= 3:
-        second, last = minutes[1]["rss_mb"], minutes[-1]["rss_mb"]
-        result["rss_growth_from_minute_2_pct"] = round(100 * (last - second) / second, 1)
+        for key in ("rss_mb", "rss_min_mb", "rss_max_mb"):
+            second, last = minutes[1][key], minutes[-1][key]
+            growth = round(100 * (last - second) / second, 1)
+            result[f"{key.removesuffix('_mb')}_growth_from_minute_2_pct"] = growth
     return result
 
 

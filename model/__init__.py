@@ -12,6 +12,7 @@ from model.errors import (
     PromptError,
     TokenIdError,
 )
+from model.heads import Task
 from model.pipeline import PoolingMode, finish
 from model.resolve import DEFAULT_MODEL_ID
 from model.tokenizer import Direction, Encoded
@@ -33,6 +34,7 @@ __all__ = [
     "ModelNotFoundError",
     "PoolingMode",
     "PromptError",
+    "Task",
     "TokenIdError",
     "finish",
 ]

@@ -115,6 +115,13 @@ def _open(path: Path, stack: ExitStack) -> TensorFile:
     return handle
 
 
+def weight_keys(folder: Path) -> frozenset[str]:
+    """Every tensor key in the folder's weights (read from headers and indexes only, except for
+    a pickled checkpoint)."""
+    with open_weights(weight_file(folder)) as files:
+        return frozenset(files)
+
+
 def load_weights(
     folder: Path,
     expected: Mapping[str, torch.Size],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,3 +71,16 @@ def resolve_dtype(
     return DtypeChoice(
         torch.float32, "auto: the CPU has no native bfloat16 (amx_bf16, avx512_bf16)"
     )
+
+
+def available_cpus(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a container's
+    --cpus or a Kubernetes limit), which torch's own default (the host's cores) ignores."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cgroup.read_text().split()[:2]
+    except (OSError, ValueError):
+        return cpus
+    if quota == "max":
+        return cpus
+    return max(1, min(cpus, math.ceil(int(quota) / int(period))))

@@ -2,53 +2,27 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from model.architectures import Encoder, EncoderConfig, config_from_hf
+from model.architectures import Encoder
 from model.attention import MapRequest
-from model.checkpoint import load_weights, read_json_object
 from model.device import DtypeChoice, resolve_device, resolve_dtype
-from model.errors import ConfigError, PromptError
-from model.folder import DenseModule, FolderSpec, read_folder
-from model.pipeline import Dense, EmbeddingPipeline, Normalize, finish
+from model.errors import PromptError
+from model.heads import Head
+from model.loading import ModelInfo, load_model
+from model.pipeline import EmbeddingPipeline, finish
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
 from model.tokenizer import Direction, Encoded, TextTokenizer, TokenizerInput
 
-log = logging.getLogger(__name__)
+__all__ = ["AttentionSpec", "BatchOutput", "Embedder", "ModelInfo", "ModelInput"]
 
 ModelInput = Encoded | Sequence[int]
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the service reports about the loaded model."""
-
-    model_id: str
-    model_type: str
-    dimensions: int  # of the vectors the pipeline gives (after any Dense layer)
-    hidden_size: int  # of the per-token vectors
-    max_input_tokens: int
-    pooling: tuple[str, ...]
-    include_prompt: bool
-    dense: tuple[str, ...]  # "in -> out, Activation" per Dense layer
-    normalize: bool
-    dtype: str
-    dtype_reason: str
-    device: str
-    num_layers: int
-    num_heads: int
-    vocab_size: int
-    prompts: Mapping[str, str] = field(default_factory=dict)
-    default_prompt_name: str | None = None
-    do_lower_case: bool = False
-    similarity_fn_name: str = "cosine"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,23 +44,27 @@ class BatchOutput:
     """Float32 CPU results for one batch, in input order, padding removed. Per-input tensors
     are copies, so that keeping one does not keep the whole batch's tensor alive."""
 
-    pooled: Tensor  # (B, dimensions): the pipeline's vectors, before the cut and the norm
+    # (B, dimensions), by task. embed: the pipeline's vectors, before the cut and the norm;
+    # classify: raw logits, one per label; sparse: SPLADE weights, one per vocabulary entry.
+    pooled: Tensor
     token_embeddings: list[Tensor] | None  # per input (T_i, hidden_size)
     attentions: list[dict[int, Tensor]] | None  # per input, layer -> (h, T_i, T_i) or (T_i, T_i)
 
 
 class Embedder:
-    """A loaded encoder with its tokenizer and pipeline; safe to call from one worker thread."""
+    """A loaded encoder with its tokenizer and what runs after it for the task (`info.task`):
+    the embedding pipeline, or a classification or sparse head. Safe to call from one worker
+    thread."""
 
     def __init__(
         self,
         network: Encoder,
-        pipeline: EmbeddingPipeline,
+        head: EmbeddingPipeline | Head,
         tokenizer: TextTokenizer,
         info: ModelInfo,
     ) -> None:
         self.network = network
-        self.pipeline = pipeline
+        self.head = head
         self.tokenizer = tokenizer
         self.info = info
         self.device = next(network.parameters()).device
@@ -100,6 +78,7 @@ class Embedder:
         dtype: str = "auto",
         allow_download: bool = False,
         max_input_tokens: int | None = None,
+        task: str = "auto",
     ) -> Embedder:
         folder = resolve_model_dir(model_id, allow_download=allow_download)
         target = resolve_device(device)
@@ -109,6 +88,7 @@ class Embedder:
             resolve_dtype(dtype, target),
             model_id=model_id,
             max_input_tokens=max_input_tokens,
+            task=task,
         )
 
     @classmethod
@@ -120,56 +100,20 @@ class Embedder:
         *,
         model_id: str | None = None,
         max_input_tokens: int | None = None,
+        task: str = "auto",
     ) -> Embedder:
-        """`max_input_tokens` can only lower the model's own limit."""
+        """`task`: "auto" serves what the folder declares (model/folder.py), or embed,
+        classify or sparse; `max_input_tokens` can only lower the model's own limit."""
         choice = dtype if isinstance(dtype, DtypeChoice) else DtypeChoice(dtype, "asked for")
-        spec = read_folder(folder)
-        source = spec.transformer_dir / "config.json"
-        config = config_from_hf(read_json_object(source), str(source))
-        network = load_network(config, spec.transformer_dir, device, choice.dtype)
-        pipeline = load_pipeline(spec, config.hidden_size).to(device)
-        ceiling = config.max_positions
-        max_tokens = min(spec.max_seq_length or ceiling, max_input_tokens or ceiling, ceiling)
-        tokenizer_file = spec.transformer_dir / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise ConfigError(f"{tokenizer_file}: file not found")
-        tokenizer = TextTokenizer.from_file(
-            tokenizer_file, max_tokens, config.vocab_size, lowercase=spec.do_lower_case
-        )
-        info = ModelInfo(
-            model_id=model_id or str(folder),
-            model_type=config.model_type,
-            dimensions=pipeline.dimensions(config.hidden_size),
-            hidden_size=config.hidden_size,
-            max_input_tokens=max_tokens,
-            pooling=tuple(str(mode) for mode in spec.pooling.modes),
-            include_prompt=spec.pooling.include_prompt,
-            dense=tuple(
-                f"{s.spec.in_features} -> {s.spec.out_features}, {s.spec.activation}"
-                for s in spec.steps
-                if isinstance(s, DenseModule)
-            ),
-            normalize=pipeline.normalize,
-            dtype=choice.name,
-            dtype_reason=choice.reason,
-            device=str(device),
-            num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads,
-            vocab_size=config.vocab_size,
-            prompts=dict(spec.prompts),
-            default_prompt_name=spec.default_prompt_name,
-            do_lower_case=spec.do_lower_case,
-            similarity_fn_name=spec.similarity_fn_name,
-        )
-        log.info(
-            "loaded %s from %s on %s as %s (%s)",
-            info.model_id,
+        loaded = load_model(
             folder,
             device,
-            info.dtype,
-            info.dtype_reason,
+            choice,
+            task=task,
+            model_id=model_id,
+            max_input_tokens=max_input_tokens,
         )
-        return cls(network, pipeline, tokenizer, info)
+        return cls(loaded.network, loaded.head, loaded.tokenizer, loaded.info)
 
     def prompt(self, name: str | None) -> str:
         """The text a prompt name stands for: None is the model's default prompt (if any),
@@ -200,6 +144,17 @@ class Embedder:
             prompt=self.prompt(prompt_name),
         )
 
+    def tokenize_pairs(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        *,
+        truncate: bool = True,
+        direction: Direction = "right",
+    ) -> list[Encoded]:
+        """Pairs of texts (a query and a text, for a cross-encoder) by the tokenizer's pair
+        template, cut longest-first as transformers does."""
+        return self.tokenizer.encode_pairs(pairs, truncate=truncate, direction=direction)
+
     def forward(
         self,
         batch: Sequence[ModelInput],
@@ -207,7 +162,7 @@ class Embedder:
         token_embeddings: bool = False,
         attention: AttentionSpec | None = None,
     ) -> BatchOutput:
-        """Run one batch (right-padded here); every input gets its pooled vector."""
+        """Run one batch (right-padded here); every input gets its row of `pooled`."""
         if attention is not None:
             for layer in attention.layers:
                 if not 0 <= layer < self.info.num_layers:
@@ -219,7 +174,9 @@ class Embedder:
         for row, sequence in enumerate(ids):
             grid[row, : len(sequence)] = sequence
         mask = np.arange(width) < lengths[:, None]
-        type_ids = _token_types(batch, width)
+        # A model with one token type takes none (transformers' tokenizers for RoBERTa and
+        # XLM-R do not return them), whatever the pair template numbers.
+        type_ids = _token_types(batch, width) if self.network.config.type_vocab_size > 1 else None
         prompt_lengths = torch.tensor(
             [item.prompt_length if isinstance(item, Encoded) else 0 for item in batch]
         )
@@ -229,7 +186,11 @@ class Embedder:
         with torch.inference_mode():
             types = type_ids.to(self.device) if type_ids is not None else None
             out = self.network(input_ids, attention_mask, types, maps)
-            pooled = self.pipeline(out.hidden, attention_mask, prompt_lengths.to(self.device)).cpu()
+            if isinstance(self.head, EmbeddingPipeline):
+                prompts = prompt_lengths.to(self.device)
+                pooled = self.head(out.hidden, attention_mask, prompts).cpu()
+            else:
+                pooled = self.head(out.hidden, attention_mask).cpu()
             tokens = None
             if token_embeddings:
                 states = out.hidden.float().cpu()
@@ -251,49 +212,6 @@ class Embedder:
         pooled = self.forward(encoded).pooled.numpy()
         done = finish(pooled, self.info.normalize if normalize is None else normalize)
         return torch.from_numpy(done)
-
-
-def load_network(
-    config: EncoderConfig, folder: Path, device: torch.device, dtype: torch.dtype
-) -> Encoder:
-    """Built on the meta device: no random init, and the loaded tensors become the parameters
-    (assign=True) instead of being copied into a second set of them."""
-    with torch.device("meta"):
-        network = config.build()
-    expected = {key: value.shape for key, value in network.state_dict().items()}
-    weights = load_weights(folder, expected, config.checkpoint_prefixes)
-    network.load_state_dict(weights, strict=True, assign=True)
-    network.reset_buffers()
-    return network.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
-def load_pipeline(spec: FolderSpec, hidden_size: int) -> EmbeddingPipeline:
-    """Pooling, then each Dense (its weights checked against the size it receives) or
-    Normalize; Dense layers stay in float32 whatever the encoder's dtype."""
-    if spec.pooling_dimension not in (None, hidden_size):
-        raise ConfigError(
-            f"pooling config: embedding dimension {spec.pooling_dimension} does not match the "
-            f"encoder's hidden_size {hidden_size}"
-        )
-    size = hidden_size * len(spec.pooling.modes)
-    steps: list[nn.Module] = []
-    for index, step in enumerate(spec.steps):
-        if isinstance(step, DenseModule):
-            if step.spec.in_features != size:
-                raise ConfigError(
-                    f"{step.folder / 'config.json'}: in_features {step.spec.in_features} does "
-                    f"not match the {size} features it receives"
-                )
-            with torch.device("meta"):
-                dense = Dense(step.spec)
-            expected = {key: value.shape for key, value in dense.state_dict().items()}
-            dense.load_state_dict(load_weights(step.folder, expected), strict=True, assign=True)
-            steps.append(dense.float().eval().requires_grad_(False))
-            size = step.spec.out_features
-        elif index < len(spec.steps) - 1:
-            steps.append(Normalize())
-    trailing_norm = bool(spec.steps) and not isinstance(spec.steps[-1], DenseModule)
-    return EmbeddingPipeline(spec.pooling, steps, normalize=trailing_norm)
 
 
 def _token_types(batch: Sequence[ModelInput], width: int) -> Tensor | None:

@@ -36,7 +36,8 @@ class Encoded:
 
     ids: list[int]
     tokens: list[str]
-    # Character offsets into the (prompted) input text; None for pre-tokenized input.
+    # Character offsets into the (prompted) input text, for a pair into the text each token
+    # comes from; None for pre-tokenized input.
     offsets: list[tuple[int, int]] | None
     special: list[bool]
     truncated: bool
@@ -61,6 +62,10 @@ class TextTokenizer:
             "right": self._configured(tokenizer_json, "right"),
             "left": self._configured(tokenizer_json, "left"),
         }
+        # The texts of a pair are tokenized one by one without the post-processor, which
+        # then runs once on the pair (`post_process`): it truncates and adds the template.
+        self._pair_texts = self._configured(tokenizer_json, None)
+        self._pair_texts.post_processor = None
         added = self._untruncated.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
         self._prompt_lengths: dict[str, int] = {}
@@ -111,6 +116,75 @@ class TextTokenizer:
                 results.append(self._from_ids(index, item, truncate, direction))
         return results
 
+    def encode_pairs(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        *,
+        truncate: bool = True,
+        direction: Direction = "right",
+    ) -> list[Encoded]:
+        """Each pair by the tokenizer's pair template (type ids set), cut longest-first on
+        `direction` as `tokenizers` (and so transformers) cuts pairs.
+
+        The cut is made here, not by `tokenizers`: it builds every pair of the two texts'
+        overflowing pieces, which for two long texts grows with the product of their lengths.
+        """
+        texts: list[str] = []
+        for index, (first, second) in enumerate(pairs):
+            check_unicode(index, first)
+            check_unicode(index, second)
+            texts += (first, second)
+        cut = [self._cut(text, direction) for text in texts]
+        pieces = _encode(self._pair_texts, cut, False)
+        added = self._untruncated.num_special_tokens_to_add(True)
+        budget = max(self.max_length - added, 0)  # tokens left for the two texts
+        results = []
+        for index in range(len(pairs)):
+            sides = (2 * index, 2 * index + 1)
+            for side in sides:
+                if cut[side] is not texts[side] and len(pieces[side].ids) < budget + CUT_MARGIN:
+                    # Too few tokens for the cut to be trusted: tokenize the whole text.
+                    [pieces[side]] = _encode(self._pair_texts, [texts[side]], False)
+                    cut[side] = texts[side]
+            was_cut = (cut[sides[0]] is not texts[sides[0]], cut[sides[1]] is not texts[sides[1]])
+            counts = (len(pieces[sides[0]].ids), len(pieces[sides[1]].ids))
+            length = sum(counts) + added
+            if not truncate and length > self.max_length:
+                raise InputTooLongError(index, length, self.max_length, at_least=any(was_cut))
+            if _order_unknown(counts, was_cut, budget):
+                counts = (
+                    self._whole_length(texts[sides[0]]) if was_cut[0] else counts[0],
+                    self._whole_length(texts[sides[1]]) if was_cut[1] else counts[1],
+                )
+            kept = longest_first(counts, budget)
+            for side, keep in zip(sides, kept, strict=True):
+                pieces[side].truncate(keep, direction=direction)
+            encoding = self._untruncated.post_process(pieces[sides[0]], pieces[sides[1]])
+            # A left cut drops the start of a text: offsets count from the text as sent.
+            shift = [
+                len(texts[side]) - len(cut[side]) if direction == "left" else 0 for side in sides
+            ]
+            results.append(
+                Encoded(
+                    ids=encoding.ids,
+                    tokens=encoding.tokens,
+                    offsets=[
+                        (start + shift[seq], end + shift[seq]) if seq is not None else (start, end)
+                        for seq, (start, end) in zip(
+                            encoding.sequence_ids, encoding.offsets, strict=True
+                        )
+                    ],
+                    special=[bool(flag) for flag in encoding.special_tokens_mask],
+                    truncated=any(was_cut) or kept != counts,
+                    type_ids=encoding.type_ids,
+                )
+            )
+        return results
+
+    def _whole_length(self, text: str) -> int:
+        [encoding] = _encode(self._pair_texts, [text], False)
+        return len(encoding.ids)
+
     def _encode_texts(
         self,
         texts: list[tuple[int, str]],
@@ -126,7 +200,7 @@ class TextTokenizer:
         )
         cut = {index: self._cut(text, direction) for index, text in texts}
         batch = [prompt + cut[index] for index, _ in texts]
-        encodings = tokenizer.encode_batch(batch, add_special_tokens=add_special_tokens)
+        encodings = _encode(tokenizer, batch, add_special_tokens)
         prompt_length = self.prompt_length(prompt) if prompt else 0
         results: dict[int, Encoded] = {}
         for (index, text), encoding in zip(texts, encodings, strict=True):
@@ -135,9 +209,7 @@ class TextTokenizer:
                 encoding, untruncated=tokenizer is self._untruncated
             ):
                 # The cut text does not overflow by the margin: tokenize the whole text.
-                [encoding] = tokenizer.encode_batch(
-                    [prompt + text], add_special_tokens=add_special_tokens
-                )
+                [encoding] = _encode(tokenizer, [prompt + text], add_special_tokens)
                 was_cut = False
             result = self._from_encoding(index, encoding, truncate, was_cut=was_cut)
             if was_cut and direction == "left":
@@ -175,7 +247,7 @@ class TextTokenizer:
         """Tokens of the prompt tokenized alone, less a trailing special token (as
         sentence-transformers measures it)."""
         if prompt not in self._prompt_lengths:
-            [alone] = self._untruncated.encode_batch([prompt])
+            [alone] = _encode(self._untruncated, [prompt], True)
             length = len(alone.ids)
             if alone.special_tokens_mask and alone.special_tokens_mask[-1]:
                 length -= 1
@@ -261,6 +333,44 @@ def _shift_offsets(encoded: Encoded, start: int, shift: int) -> Encoded:
         for (begin, end), special in zip(encoded.offsets, encoded.special, strict=True)
     ]
     return replace(encoded, offsets=offsets)
+
+
+def longest_first(lengths: tuple[int, int], budget: int) -> tuple[int, int]:
+    """The tokens each text of a pair keeps within `budget`: `tokenizers`' LongestFirst, as it
+    has it (the longer is cut down to the shorter first, then both to halves, the odd token
+    to the longer one, or to the second when they are as long)."""
+    first, second = lengths
+    if first + second <= budget:
+        return lengths
+    shorter, longer = (second, first) if first > second else (first, second)
+    longer = shorter if shorter > budget else max(shorter, budget - shorter)
+    if shorter + longer > budget:
+        shorter, longer = budget // 2, budget // 2 + budget % 2
+    return (longer, shorter) if first > second else (shorter, longer)
+
+
+def _order_unknown(counts: tuple[int, int], was_cut: tuple[bool, bool], budget: int) -> bool:
+    """Whether the lengths a pair keeps could depend on how long a cut text is as a whole.
+
+    A cut text keeps at least CUT_MARGIN tokens past the budget, so it is cut down in any case
+    and its own length counts only through which text is longer; that decides something only
+    when both texts are cut to halves of an odd budget (the odd token). It is known when the
+    cut text is longer than the other, uncut one.
+    """
+    if budget % 2 == 0 or not any(was_cut):
+        return False
+    if all(was_cut):
+        return True
+    cut_length, other = counts if was_cut[0] else counts[::-1]
+    return cut_length <= other
+
+
+def _encode(tokenizer: Tokenizer, texts: list[str], add_special_tokens: bool) -> list[Encoding]:
+    """One text through `encode`: `encode_batch` hands even a single text to the library's
+    thread pool, which costs more than the tokenizing itself (measured on the event loop)."""
+    if len(texts) == 1:
+        return [tokenizer.encode(texts[0], add_special_tokens=add_special_tokens)]
+    return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
 
 
 def check_unicode(index: int, text: str) -> None:

@@ -13,7 +13,7 @@ from app.responses import Encoding, array_payload, render, timing_headers, usage
 from app.routes.errors import error_responses
 from app.schemas import EncodeRequest, EncodeResponse
 from app.service import EncodeResult
-from model import Encoded
+from model import Encoded, Task
 
 router = APIRouter(tags=["encode"], responses=error_responses())
 
@@ -46,7 +46,9 @@ def attention_payload(
     summary="Pooled and per-token vectors, tokens and attention maps",
 )
 async def encode(body: EncodeRequest, service: ServiceDep, disconnected: DisconnectDep) -> Response:
-    result = await service.encode(body.inputs_list(), body.options(), disconnected)
+    # The pooled vector needs an embedding model; tokens, states and maps any model has.
+    task = Task.EMBED if body.pooled else None
+    result = await service.encode(body.inputs_list(), body.options(), disconnected, task)
     values = sum(
         (item.token_embeddings.size if item.token_embeddings is not None else 0)
         + sum(maps.size for maps in (item.attention or {}).values())

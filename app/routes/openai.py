@@ -1,4 +1,5 @@
-"""OpenAI-compatible embeddings: POST /v1/embeddings."""
+"""OpenAI-compatible routes: POST /v1/embeddings (and /embeddings, text-embeddings-inference's
+path for it), GET /v1/models."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from app.dependencies import DisconnectDep, ServiceDep
-from app.responses import JSONResponse, base64_floats, embeddings, timing_headers, usage_payload
+from app.responses import JSONResponse, base64_floats, timing_headers, usage_payload
 from app.routes.errors import error_responses
-from app.schemas import OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
+from app.schemas import ModelList, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
 
 router = APIRouter(tags=["openai"], responses=error_responses(openai=True))
+OWNER = "embedding-server"
 
 
 @router.post(
@@ -22,7 +24,8 @@ async def create_embeddings(
     body: OpenAIEmbeddingRequest, service: ServiceDep, disconnected: DisconnectDep
 ) -> Response:
     result = await service.encode(body.inputs_list(), body.options(), disconnected)
-    vectors = embeddings(result)
+    vectors = result.vectors()
+    # base64 (the official client's default) packs each vector as it lies in memory.
     as_base64 = body.encoding_format == "base64"
     data = [
         {
@@ -39,3 +42,19 @@ async def create_embeddings(
         "usage": usage_payload(result),
     }
     return JSONResponse(content, headers=timing_headers(result))
+
+
+router.add_api_route(
+    "/embeddings",
+    create_embeddings,
+    methods=["POST"],
+    response_model=OpenAIEmbeddingResponse,
+    include_in_schema=False,  # an alias: documented once, as /v1/embeddings
+)
+
+
+@router.get("/v1/models", response_model=ModelList, summary="The served model, as OpenAI lists it")
+async def list_models(service: ServiceDep) -> Response:
+    info = service.info
+    card = {"id": info.model_id, "object": "model", "created": service.loaded_at, "owned_by": OWNER}
+    return JSONResponse({"object": "list", "data": [card]})

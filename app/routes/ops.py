@@ -15,6 +15,8 @@ from app.metrics import Metrics
 from app.responses import JSONResponse
 from app.routes.errors import error_responses
 from app.schemas import ErrorResponse, InfoResponse, StatusResponse
+from app.tokenization import TOKENIZER_THREADS
+from model import ModelInfo, Task
 
 router = APIRouter(tags=["operations"])
 
@@ -35,7 +37,9 @@ async def info(service: ServiceDep) -> JSONResponse:
     return JSONResponse(
         {
             "model_id": model.model_id,
-            "model_type": model.model_type,
+            "task": str(model.task),
+            "labels": list(model.labels),
+            "architecture": model.model_type,
             "dimensions": model.dimensions,
             "hidden_size": model.hidden_size,
             "max_input_tokens": model.max_input_tokens,
@@ -66,8 +70,30 @@ async def info(service: ServiceDep) -> JSONResponse:
                 "body_timeout": settings.body_timeout,
             },
             "version": package_version(),
+            # text-embeddings-inference's names, for clients that read them.
+            "model_sha": None,
+            "model_dtype": model.dtype,
+            "model_type": tei_model_type(model),
+            "max_concurrent_requests": settings.max_concurrent_requests,
+            "max_input_length": model.max_input_tokens,
+            "max_client_batch_size": settings.max_inputs_per_request,
+            "max_batch_requests": settings.max_batch_inputs,
+            "tokenization_workers": TOKENIZER_THREADS,
+            "sha": None,
+            "docker_label": None,
         }
     )
+
+
+def tei_model_type(model: ModelInfo) -> dict[str, dict[str, object]]:
+    """text-embeddings-inference's description of what the model is."""
+    if model.task is Task.CLASSIFY:
+        kind = "reranker" if len(model.labels) == 1 else "classifier"
+        id2label = {str(index): label for index, label in enumerate(model.labels)}
+        label2id = {label: int(index) for index, label in id2label.items()}
+        return {kind: {"id2label": id2label, "label2id": label2id}}
+    pooling = "splade" if model.task is Task.SPARSE else "+".join(model.pooling)
+    return {"embedding": {"pooling": pooling}}
 
 
 @router.get(
@@ -80,6 +106,16 @@ async def health(service: ServiceDep) -> JSONResponse:
     if not service.ready:
         raise UnavailableError(service.not_ready_reason())
     return JSONResponse({"status": "ok"})
+
+
+@router.get(
+    "/ping",
+    response_model=StatusResponse,
+    responses={503: {"model": ErrorResponse, "description": "Not ready to serve"}},
+    summary="text-embeddings-inference's name for /health",
+)
+async def ping(service: ServiceDep) -> JSONResponse:
+    return await health(service)
 
 
 @router.get(

@@ -1,14 +1,32 @@
-"""text-embeddings-inference compatible routes: /embed, /embed_all, /tokenize."""
+"""text-embeddings-inference compatible routes: /embed, /embed_all, /similarity, /tokenize,
+/decode, and `POST /`, its alias for the model's main task."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from app.dependencies import DisconnectDep, ServiceDep
-from app.responses import JSONResponse, embeddings, render, timing_headers
+from app.errors import UnsupportedMediaError
+from app.responses import JSONResponse, render, timing_headers
+from app.routes import classify, sparse
 from app.routes.errors import error_responses
-from app.schemas import EmbedAllRequest, EmbedRequest, SimpleToken, TokenizeRequest
+from app.schemas import (
+    DecodeRequest,
+    EmbedAllRequest,
+    EmbedRequest,
+    EmbedSparseRequest,
+    PredictRequest,
+    RerankRequest,
+    SimilarityRequest,
+    SimpleToken,
+    TokenizeRequest,
+)
+from model import Task
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=error_responses())
 
@@ -16,7 +34,7 @@ router = APIRouter(tags=["text-embeddings-inference"], responses=error_responses
 @router.post("/embed", response_model=list[list[float]], summary="Pooled embeddings")
 async def embed(body: EmbedRequest, service: ServiceDep, disconnected: DisconnectDep) -> Response:
     result = await service.encode(body.inputs_list(), body.options(), disconnected)
-    return JSONResponse(embeddings(result), headers=timing_headers(result))
+    return JSONResponse(result.vectors(), headers=timing_headers(result))
 
 
 @router.post(
@@ -27,13 +45,28 @@ async def embed(body: EmbedRequest, service: ServiceDep, disconnected: Disconnec
 async def embed_all(
     body: EmbedAllRequest, service: ServiceDep, disconnected: DisconnectDep
 ) -> Response:
-    result = await service.encode(body.inputs_list(), body.options(), disconnected)
+    # Per-token states: every kind of model has them.
+    result = await service.encode(body.inputs_list(), body.options(), disconnected, task=None)
     values = result.token_count * result.model.hidden_size
     return await render(
         lambda: [item.token_embeddings for item in result.items],
         values=values,
         headers=timing_headers(result),
     )
+
+
+@router.post(
+    "/similarity",
+    response_model=list[float],
+    summary="Scores of sentences against a source sentence (the model's similarity function)",
+)
+async def similarity(
+    body: SimilarityRequest, service: ServiceDep, disconnected: DisconnectDep
+) -> Response:
+    scores, result = await service.similarity(
+        body.inputs.source_sentence, body.inputs.sentences, body.options(), disconnected
+    )
+    return JSONResponse(scores, headers=timing_headers(result))
 
 
 @router.post("/tokenize", response_model=list[list[SimpleToken]], summary="Tokens with offsets")
@@ -53,3 +86,47 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep) -> Response:
             )
         response.append(tokens)
     return JSONResponse(response)
+
+
+@router.post("/decode", response_model=list[str], summary="Token ids back to text")
+async def decode(body: DecodeRequest, service: ServiceDep) -> Response:
+    texts = service.decode(body.ids_list(), skip_special_tokens=body.skip_special_tokens)
+    return JSONResponse(texts)
+
+
+@router.post("/", include_in_schema=False)
+async def main_task(request: Request, service: ServiceDep, disconnected: DisconnectDep) -> Response:
+    """text-embeddings-inference's alias for the model's main task, which huggingface_hub's
+    InferenceClient calls when it is given a base URL: /rerank for a reranker, /predict for
+    another classifier, /embed_sparse for a sparse model; for an embedding model /similarity
+    when the body is {"inputs": {source_sentence, sentences}} (what its sentence_similarity
+    sends), else /embed."""
+    raw = await request.body()
+    if not request.headers.get("content-type", "").split(";")[0].strip().endswith("json"):
+        raise UnsupportedMediaError(
+            f"expected Content-Type application/json, got {request.headers.get('content-type')!r}"
+        )
+    info = service.info
+    if info.task is Task.CLASSIFY and len(info.labels) == 1:
+        return await classify.rerank(parse(RerankRequest, raw), service, disconnected)
+    if info.task is Task.CLASSIFY:
+        return await classify.predict(parse(PredictRequest, raw), service, disconnected)
+    if info.task is Task.SPARSE:
+        return await sparse.embed_sparse(parse(EmbedSparseRequest, raw), service, disconnected)
+    try:
+        pair = SimilarityRequest.model_validate_json(raw)
+    except ValidationError:
+        return await embed(parse(EmbedRequest, raw), service, disconnected)
+    return await similarity(pair, service, disconnected)
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def parse(model: type[Model], raw: bytes) -> Model:
+    """Validate a body by hand, with the same errors FastAPI's own validation gives."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = [{**error, "loc": ("body", *error["loc"])} for error in exc.errors()]
+        raise RequestValidationError(errors) from exc

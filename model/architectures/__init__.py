@@ -12,12 +12,18 @@ from typing import Any
 
 from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput
 from model.architectures.bert import BertConfig
+from model.architectures.distilbert import DistilBertConfig
+from model.architectures.modernbert import ModernBertConfig
+from model.architectures.mpnet import MPNetConfig
 from model.errors import ConfigError
 
 ARCHITECTURES: dict[str, type[EncoderConfig]] = {
     "bert": BertConfig,
     "roberta": BertConfig,
     "xlm-roberta": BertConfig,
+    "distilbert": DistilBertConfig,
+    "mpnet": MPNetConfig,
+    "modernbert": ModernBertConfig,
 }
 
 
@@ -37,8 +43,11 @@ def config_from_hf(raw: Mapping[str, Any], source: str = "config.json") -> Encod
 __all__ = [
     "ARCHITECTURES",
     "BertConfig",
+    "DistilBertConfig",
     "Encoder",
     "EncoderConfig",
     "EncoderOutput",
+    "MPNetConfig",
+    "ModernBertConfig",
     "config_from_hf",
 ]

@@ -290,7 +290,7 @@ async def test_unexpected_error_is_a_generic_500_with_request_id(
     def broken(*args: object, **kwargs: object) -> None:
         raise ValueError("secret internal detail")
 
-    monkeypatch.setattr(tei, "embeddings", broken)
+    monkeypatch.setattr(tei, "timing_headers", broken)
     async with running_app(make_settings(tiny_checkpoint)) as (_, client):
         response = await client.post(
             "/embed", json={"inputs": "a"}, headers={"x-request-id": "abc123"}

@@ -45,7 +45,8 @@ def save_reference(folder: Path, model_type: str, **extra: Any) -> Any:
 def padded_batch(pad_id: int) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     lengths = [7, 19, 3, 12]
-    batch = [torch.randint(5, 90, (n,), generator=generator).tolist() for n in lengths]
+    vocab = TINY_CONFIG["vocab_size"]
+    batch = [torch.randint(5, vocab, (n,), generator=generator).tolist() for n in lengths]
     width = max(lengths)
     ids = torch.full((len(batch), width), pad_id)
     mask = torch.zeros((len(batch), width), dtype=torch.long)

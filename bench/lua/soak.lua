@@ -1,6 +1,6 @@
 -- wrk script for bench/soak.py: cycles through prepared requests, counts the answers by
 -- status, and prints one line of JSON when done.
--- Usage: wrk -s bench/soak.lua URL -- REQUESTS_FILE   (one "path<TAB>json body" per line)
+-- Usage: wrk -s bench/lua/soak.lua URL -- REQUESTS_FILE   (one "path<TAB>json body" per line)
 
 local prepared = {}
 local counter = 0

@@ -1,0 +1,114 @@
+"""A request's inputs to token ids: small requests on the event loop, large ones in a pool.
+
+For a sentence, the hop to a thread costs more than the tokenizing; for a large request,
+tokenizing on the event loop would stall every other request. Texts, pre-tokenized ids and
+pairs of texts (for cross-encoders) may be mixed; the model's input errors become 422s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from app.errors import ValidationFailedError
+from app.metrics import Metrics
+from app.params import EncodeOptions, RawInput, TextPair
+from model import Embedder, Encoded, InputError, PromptError, TokenIdError
+
+# Threads that tokenize large requests, beside the event loop and the batch worker.
+TOKENIZER_THREADS = 2
+# Requests with fewer characters than this are tokenized on the event loop.
+INLINE_CHARS = 2048
+# Said with every out-of-vocabulary id: the usual source is a client that tokenizes itself.
+TOKEN_ID_HINT = (
+    "token ids must come from this model's tokenizer (LangChain's OpenAIEmbeddings sends "
+    "tiktoken ids unless check_embedding_ctx_length=False)"
+)
+
+Input = RawInput | TextPair
+
+
+def prompt_of(embedder: Embedder, options: EncodeOptions) -> str:
+    try:
+        return embedder.prompt(options.prompt_name)
+    except PromptError as exc:
+        raise ValidationFailedError(str(exc), param="prompt_name") from exc
+
+
+def characters(item: Input) -> int:
+    return sum(map(len, item)) if isinstance(item, tuple) else len(item)
+
+
+def in_request_order(positions: list[int], encode: Callable[[], list[Encoded]]) -> list[Encoded]:
+    """Run `encode` on some of a request's inputs; an error names the input's position in
+    the request, not in the subset."""
+    try:
+        return encode()
+    except InputError as exc:
+        if positions[exc.index] != exc.index:
+            exc.args = (f"{exc} (input {positions[exc.index]} of the request)",)
+        raise
+
+
+class Tokenization:
+    def __init__(self, metrics: Metrics, auto_truncate: bool) -> None:
+        self.metrics = metrics
+        self.auto_truncate = auto_truncate
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run(
+        self,
+        embedder: Embedder,
+        inputs: Sequence[Input],
+        options: EncodeOptions,
+        *,
+        add_special_tokens: bool = True,
+    ) -> tuple[list[Encoded], float]:
+        """Every input encoded, in order; also the seconds it took."""
+        truncate = self.auto_truncate if options.truncate is None else options.truncate
+        prompt = prompt_of(embedder, options)
+
+        def encode() -> list[Encoded]:
+            singles = {i: item for i, item in enumerate(inputs) if not isinstance(item, tuple)}
+            pairs = {i: item for i, item in enumerate(inputs) if isinstance(item, tuple)}
+            encoded: dict[int, Encoded] = {}
+            if singles:
+                done = in_request_order(
+                    list(singles),
+                    lambda: embedder.tokenizer.encode(
+                        list(singles.values()),
+                        truncate=truncate,
+                        direction=options.direction,
+                        add_special_tokens=add_special_tokens,
+                        prompt=prompt,
+                    ),
+                )
+                encoded.update(zip(singles, done, strict=True))
+            if pairs:
+                done = in_request_order(
+                    list(pairs),
+                    lambda: embedder.tokenize_pairs(
+                        list(pairs.values()), truncate=truncate, direction=options.direction
+                    ),
+                )
+                encoded.update(zip(pairs, done, strict=True))
+            return [encoded[i] for i in range(len(inputs))]
+
+        started = time.perf_counter()
+        try:
+            if sum(characters(item) for item in inputs) < INLINE_CHARS:
+                encoded = encode()
+            else:
+                encoded = await asyncio.get_running_loop().run_in_executor(self._pool, encode)
+        except TokenIdError as exc:
+            raise ValidationFailedError(f"{exc}; {TOKEN_ID_HINT}", param="input") from exc
+        except InputError as exc:
+            raise ValidationFailedError(str(exc), param="input") from exc
+        seconds = time.perf_counter() - started
+        self.metrics.tokenization_seconds.observe(seconds)
+        return encoded, seconds

@@ -1,0 +1,132 @@
+"""Driving the real server with wrk, a C load generator that costs the server little.
+
+wrk runs pinned to one core (taskset), cycling through prepared request bodies with
+lua/embed.lua, which checks every answer (status, vector count, dimension).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+SCRIPT = Path(__file__).resolve().parent / "lua" / "embed.lua"
+WRK_CORE = "0"
+
+
+@dataclass(frozen=True)
+class WrkResult:
+    requests: int
+    seconds: float
+    bad: int
+    socket_errors: int
+    p50_ms: float
+    p99_ms: float
+    first_bad: str
+    client_cpu_seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def client_cores(self) -> float:
+        """CPU wrk itself used, in cores: what it took from the server."""
+        return self.client_cpu_seconds / self.seconds
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Server:
+    """`python -m app` on a loopback port, with its peak memory read from /proc."""
+
+    def __init__(self, flags: Sequence[str], env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(self.port)]
+        self.process = subprocess.Popen(
+            [*command, "--log-level", "warning", *flags],
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+
+    def wait_ready(self, within: float = 180) -> None:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit("the server exited during start-up")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise SystemExit("the server did not become ready")
+
+    def peak_rss_mib(self) -> float:
+        """VmHWM: the most resident memory the process has had so far."""
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        kib = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))
+        return int(kib) / 1024
+
+    def info(self) -> dict[str, object]:
+        info: dict[str, object] = httpx.get(f"{self.url}/info", timeout=10).json()
+        return info
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=60)
+
+
+def run_wrk(
+    url: str,
+    bodies: Sequence[str],
+    *,
+    connections: int,
+    seconds: float,
+    vectors: int,
+    dimension: int,
+    path: str = "/embed",
+) -> WrkResult:
+    """One wrk run; every response is checked, and any bad one is reported."""
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        raise SystemExit("wrk is not installed (apt-get install wrk)")
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as handle:
+        handle.write("\n".join(bodies) + "\n")
+        bodies_file = handle.name
+    command = [
+        "taskset", "-c", WRK_CORE, wrk, "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
+        "--timeout", "30s", "-s", str(SCRIPT), url,
+        "--", bodies_file, path, str(vectors), str(dimension),
+    ]  # fmt: skip
+    before = os.times()
+    try:
+        finished = subprocess.run(command, capture_output=True, text=True)
+    finally:
+        os.unlink(bodies_file)
+    if finished.returncode:
+        raise SystemExit(f"wrk failed: {finished.stderr or finished.stdout}")
+    output = finished.stdout
+    after = os.times()
+    cpu = (after.children_user - before.children_user) + (
+        after.children_system - before.children_system
+    )
+    summary = json.loads(output.strip().splitlines()[-1])
+    return WrkResult(**summary, client_cpu_seconds=cpu)

@@ -1,0 +1,63 @@
+"""Operating the server: the stop sequence, the concurrency limit, threads and dtype choice."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.device import available_cpus, resolve_dtype
+from tests.app.conftest import GatedForward, make_settings, running_app, service_of
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_stop_signal_turns_health_503_before_refusing_work(tiny_checkpoint: Path) -> None:
+    async with running_app(make_settings(tiny_checkpoint)) as (app, client):
+        service = service_of(app)
+        service.begin_stop()  # the first moments after SIGTERM (drain_delay)
+        health = await client.get("/health")
+        served = await client.post("/embed", json={"inputs": "hello"})
+        service.begin_drain()
+        refused = await client.post("/embed", json={"inputs": "hello"})
+        live = await client.get("/live")
+    assert health.status_code == 503 and served.status_code == 200
+    assert refused.status_code == 503 and live.status_code == 200
+
+
+async def test_requests_in_progress_are_bounded_but_probes_are_not(tiny_checkpoint: Path) -> None:
+    settings = make_settings(tiny_checkpoint, max_concurrent_requests=1)
+    async with running_app(settings) as (app, client):
+        gate = GatedForward(service_of(app))
+        gate.gate.clear()
+        held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
+        await asyncio.to_thread(gate.entered.wait, 10)
+        refused = await client.post("/embed", json={"inputs": "world"})
+        probes = [await client.get(path) for path in ("/health", "/live", "/ping", "/metrics")]
+        gate.gate.set()
+        first = await held
+        after = await client.post("/embed", json={"inputs": "world"})
+    assert first.status_code == 200 and after.status_code == 200
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert "the limit of this server" in refused.json()["error"]
+    assert [p.status_code for p in probes] == [200] * 4
+
+
+def test_threads_follow_the_cgroup_quota(tmp_path: Path) -> None:
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("150000 100000\n")  # --cpus 1.5
+    assert available_cpus(cpu_max) == min(2, available_cpus(tmp_path / "absent"))
+    cpu_max.write_text("max 100000\n")
+    assert available_cpus(cpu_max) == available_cpus(tmp_path / "absent")
+
+
+def test_auto_dtype_takes_bfloat16_only_where_the_cpu_computes_it() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, frozenset({"avx512f", "avx512_bf16"})).name == "bfloat16"
+    amx = resolve_dtype("auto", cpu, frozenset({"amx_bf16"}))
+    assert amx.name == "bfloat16" and "amx_bf16" in amx.reason
+    plain = resolve_dtype("auto", cpu, frozenset({"avx2", "avx512f"}))
+    assert plain.name == "float32" and plain.reason.startswith("auto:")
+    assert resolve_dtype("float32", cpu, frozenset({"amx_bf16"})).name == "float32"
