@@ -16,6 +16,7 @@ _DESCRIPTIONS = {
         "Invalid field: too long with truncation off, bad dimensions, ids outside the "
         "vocabulary, text that is not valid Unicode, too many per-token or attention values"
     ),
+    424: "The loaded model does not do what this route does (e.g. /rerank on an embedding model)",
     429: "Queue full (nothing ran); retry after the Retry-After header's seconds",
     500: "The forward pass failed, or an unexpected error (with a request id)",
     503: "Not ready or draining (nothing ran; safe to retry on another replica)",
