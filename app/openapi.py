@@ -2,10 +2,10 @@
 
 The request models mark such values with `x-bound` (app/schemas.py): token ids below the
 vocabulary size, dimensions up to the model's, layer and head indices, prompt names, inputs
-per request and characters per input. Once the model has loaded, the schema states them, so
-that a request the schema allows is one the service accepts; before that it carries the
-markers alone (the service answers nothing but 503 then). With an API key set, the routes
-that need it declare HTTP bearer authentication.
+(texts, pairs, sentences) per request and characters per input. Once the model has loaded,
+the schema states them, so that a request the schema allows is one the service accepts;
+before that it carries the markers alone (the service answers nothing but 503 then). With an
+API key set, the routes that need it declare HTTP bearer authentication.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def bounds(info: ModelInfo, settings: Settings) -> dict[str, dict[str, Any]]:
         "prompt_name": {"enum": [*info.prompts, ""]},
         "input_chars": {"maxLength": settings.max_input_chars},
         "inputs": {"maxItems": settings.max_inputs_per_request},
+        # /similarity's sentences, with the source sentence one input more.
+        "sentences": {"maxItems": settings.max_inputs_per_request - 1},
     }
 
 

@@ -136,8 +136,8 @@ class TokenizeRequest(TruncatingRequest):
 
 class SimilarityInput(Request):
     source_sentence: Text = Field(description="The sentence the others are compared with.")
-    sentences: Annotated[list[Text], Field(min_length=1)] = Field(
-        description="Sentences to compare with the source sentence."
+    sentences: Annotated[list[Text], Field(min_length=1, json_schema_extra=bound("sentences"))] = (
+        Field(description="Sentences to compare with the source sentence.")
     )
 
 
@@ -193,8 +193,15 @@ class SparseValue(BaseModel):
 SingleOrPair = Annotated[list[Text], Field(min_length=1, max_length=2)]
 
 
+# A batch holds at least one list ([text] or [text, text]); a flat list is one input.
+Batch = Annotated[
+    list[Text | SingleOrPair],
+    Field(min_length=1, json_schema_extra={**bound("inputs"), "contains": {"type": "array"}}),
+]
+
+
 class PredictRequest(Request):
-    inputs: Text | Annotated[list[Text | SingleOrPair], Field(min_length=1)] = Field(
+    inputs: Text | SingleOrPair | Batch = Field(
         description=(
             "A text, a pair of texts [text, text], or a batch of texts and pairs: "
             "[[text], [text, text], ...]."
@@ -241,7 +248,9 @@ class Prediction(BaseModel):
 
 class RerankRequest(Request):
     query: Text = Field(description="What the texts are ranked against.")
-    texts: Annotated[list[Text], Field(min_length=1)] = Field(description="Texts to rank.")
+    texts: Annotated[list[Text], Field(min_length=1, json_schema_extra=bound("inputs"))] = Field(
+        description="Texts to rank."
+    )
     truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
     truncation_direction: TruncationDirection = Field("right", description=DIRECTION_DESCRIPTION)
     raw_scores: StrictBool = Field(False, description="The logit as it is; else its sigmoid.")
