@@ -19,37 +19,54 @@ from typing import Any, cast
 import httpx
 import pytest
 import schemathesis
+import transformers
 from fastapi import FastAPI
-from pydantic import TypeAdapter
 from schemathesis.config import SchemathesisConfig
 from schemathesis.engine import events, from_schema
 from schemathesis.hooks import HookContext
 from schemathesis.python import asgi
 
 from app.main import create_app
-from app.schemas import BOUND, Inputs, as_list
+from app.schemas import BOUND
+from model import InputError
+from model.heads import Splade
 from tests.app.conftest import make_settings, running_app, service_of, wait_until
 from tests.helpers import TINY_CONFIG, TINY_VOCAB, make_random_checkpoint
+from tests.task_checkpoints import save_task_model, write_splade_folder
 
 # Small limits, so that the coverage phase's longest strings and fullest lists stay cheap.
 LIMITS = {"max_inputs_per_request": 16, "max_input_chars": 1000}
 API_KEY = "contract-key"
 # Examples per operation and generation mode in the fuzzing phase; the coverage phase adds
-# its own boundary cases. About 20 s a run on a loaded 2-core machine.
-MAX_EXAMPLES = 40
+# its own boundary cases.
+MAX_EXAMPLES = 25
 # schemathesis's defaults, plus 413: the service refuses too many inputs or too many
-# characters (over maxItems and maxLength) as too large, which is a refusal too.
-REJECTIONS = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429"]
-REJECTIONS += ["5xx"]  # schemathesis's own default; not_a_server_error fails any 5xx anyway
-INPUTS: TypeAdapter[Inputs] = TypeAdapter(Inputs)
-INFERENCE = {
-    "POST /embed",
-    "POST /embed_all",
+# characters (over maxItems and maxLength) as too large, which is a refusal too; and 424: a
+# route the loaded model does not serve (/rerank on an embedding model) refuses everything,
+# valid or not. Each kind of model is run, so every route is also seen serving.
+REJECTIONS = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "424"]
+REJECTIONS += ["428", "429", "5xx"]  # 5xx: schemathesis's default; not_a_server_error fails it
+ACCEPTANCES = ["2xx", "3xx", "401", "403", "404", "409", "424", "429", "5xx"]
+# Fields whose strings and id lists are texts the model reads.
+TEXT_FIELDS = {"inputs", "input", "query", "texts", "source_sentence", "sentences"}
+OPERATIONS_SERVED_BY_ANY_MODEL = {
+    "GET /info",
+    "GET /health",
+    "GET /live",
+    "GET /ping",
+    "GET /metrics",
+    "GET /v1/models",
     "POST /tokenize",
-    "POST /v1/embeddings",
+    "POST /decode",
+    "POST /embed_all",
     "POST /encode",
 }
-OPERATIONS = INFERENCE | {"GET /info", "GET /health", "GET /live", "GET /metrics"}
+SERVED = {
+    "embedding": OPERATIONS_SERVED_BY_ANY_MODEL
+    | {"POST /embed", "POST /v1/embeddings", "POST /similarity"},
+    "reranker": OPERATIONS_SERVED_BY_ANY_MODEL | {"POST /predict", "POST /rerank"},
+    "splade": OPERATIONS_SERVED_BY_ANY_MODEL | {"POST /embed_sparse"},
+}
 
 
 @dataclass
@@ -71,10 +88,14 @@ def start(app: FastAPI) -> None:
             time.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("contract") / "tiny"
-    make_random_checkpoint(folder)
+def checkpoint_of(kind: str, folder: Path) -> Path:
+    if kind == "embedding":
+        make_random_checkpoint(folder)
+    elif kind == "reranker":
+        save_task_model(folder, transformers.BertForSequenceClassification, "bert", num_labels=1)
+    else:
+        save_task_model(folder, transformers.BertForMaskedLM, "bert")
+        write_splade_folder(folder, Splade())
     return folder
 
 
@@ -84,29 +105,60 @@ def stop_lifespans() -> Iterator[None]:
     asgi.shutdown_lifespans()
 
 
+def texts_in(value: Any) -> Iterator[str | list[int]]:
+    """The texts and id lists in a body's text fields, however nested."""
+    if isinstance(value, str) or (
+        isinstance(value, list) and value and all(isinstance(v, int | float) for v in value)
+    ):
+        yield value if isinstance(value, str) else [int(v) for v in value]
+    elif isinstance(value, list):
+        for item in value:
+            yield from texts_in(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key in TEXT_FIELDS:
+                yield from texts_in(item)
+
+
 def run_schemathesis(app: FastAPI, *, headers: dict[str, str] | None = None) -> Outcome:
     config = SchemathesisConfig.from_dict(
         {
             "headers": headers or {},
             "generation": {"max-examples": MAX_EXAMPLES},
-            "checks": {"negative_data_rejection": {"expected-statuses": REJECTIONS}},
+            "checks": {
+                "negative_data_rejection": {"expected-statuses": REJECTIONS},
+                "positive_data_acceptance": {"expected-statuses": ACCEPTANCES},
+            },
         }
     )
     schema = schemathesis.openapi.from_asgi("/openapi.json", app, config=config)
     embedder = service_of(app).embedder
     assert embedder is not None
+    limit = embedder.info.max_input_tokens
+
+    def fits(body: dict[str, Any]) -> bool:
+        """Whether the texts together (a pair's template adds up to 3 special tokens) are
+        within the model's token limit: a sum over all of them, so it errs towards false."""
+        total = 3
+        for text in texts_in(body):
+            try:
+                [encoded] = embedder.tokenize([text], truncate=False, add_special_tokens=False)
+            except InputError:
+                return False
+            total += len(encoded.ids)
+        return total <= limit
 
     def filter_case(context: HookContext, case: schemathesis.Case[Any]) -> bool:
-        """The one rule JSON Schema cannot state: with `truncate: false`, an input over the
+        """The one rule JSON Schema cannot state: with `truncate: false`, text over the
         model's token limit is refused (422, documented). Such cases are not sent as valid."""
         body = case.body
         if case.meta is None or not case.meta.generation.mode.is_positive:
             return True
-        if not isinstance(body, dict) or body.get("truncate") is not False:
+        if not isinstance(body, dict):
             return True
-        inputs = as_list(INPUTS.validate_python(body.get("inputs", body.get("input"))))
-        encoded = embedder.tokenize(inputs, prompt_name=cast(str | None, body.get("prompt_name")))
-        return not any(e.truncated for e in encoded)
+        parameters = body.get("parameters")
+        options = parameters if isinstance(parameters, dict) else body
+        return options.get("truncate") is not False or fits(body)
 
     schema.hook(filter_case)
     outcome = Outcome()
@@ -133,24 +185,47 @@ def run_schemathesis(app: FastAPI, *, headers: dict[str, str] | None = None) -> 
     return outcome
 
 
-@pytest.mark.parametrize("api_key", [None, API_KEY], ids=["open", "with-api-key"])
+@pytest.mark.parametrize(
+    ("kind", "api_key"),
+    [("embedding", None), ("embedding", API_KEY), ("reranker", None), ("splade", None)],
+    ids=["embedding", "embedding-with-api-key", "reranker", "splade"],
+)
 def test_the_service_keeps_its_published_contract(
-    checkpoint: Path, stop_lifespans: None, api_key: str | None
+    tmp_path: Path, stop_lifespans: None, kind: str, api_key: str | None
 ) -> None:
-    app = create_app(make_settings(checkpoint, api_key=api_key, **LIMITS))
+    app = create_app(make_settings(checkpoint_of(kind, tmp_path / kind), api_key=api_key, **LIMITS))
     start(app)
+    operations = {
+        f"{method.upper()} {path}"
+        for path, methods in app.openapi()["paths"].items()
+        for method in methods
+    }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     outcome = run_schemathesis(app, headers=headers)
     assert not outcome.failures, "\n\n".join(outcome.failures[:10])
     assert {"coverage", "fuzzing"} <= outcome.phases
-    assert {label for label, _ in outcome.statuses} == OPERATIONS  # every route was called
-    assert outcome.operations_with(200) == OPERATIONS  # and accepted valid requests
-    for status in (400, 413, 415, 422):  # each way of refusing a body was exercised
-        assert outcome.operations_with(status) >= INFERENCE
+    assert {label for label, _ in outcome.statuses} == operations  # every route was called
+    # Valid requests were accepted where the model serves the route, and refused with 424
+    # where it does not (on /encode, pooled vectors need an embedding model).
+    assert outcome.operations_with(200) == SERVED[kind]
+    unserved = operations - SERVED[kind]
+    assert unserved <= outcome.operations_with(424) <= unserved | {"POST /encode"}
+    # Each way of refusing a body was exercised where bodies are read (on a model that is
+    # not an embedding model, /encode answers most requests 424 before any limit).
+    posted = {operation for operation in SERVED[kind] if operation.startswith("POST")}
+    partly = set() if kind == "embedding" else {"POST /encode"}
+    for status in (400, 413, 415, 422):
+        assert outcome.operations_with(status) >= posted - {"POST /decode"} - partly, status
+    protected = {
+        f"{method.upper()} {path}"
+        for path, methods in app.openapi()["paths"].items()
+        for method, operation in methods.items()
+        if "security" in operation
+    }
     if api_key:  # ignored_auth sent requests without the key, and wrong ones: all refused
-        assert outcome.operations_with(401) == INFERENCE | {"GET /info"}
+        assert protected and outcome.operations_with(401) == protected
     else:
-        assert not outcome.operations_with(401)
+        assert not protected and not outcome.operations_with(401)
     assert not any(code >= 500 for _, code in outcome.statuses)
 
 
