@@ -179,26 +179,43 @@ class Batcher:
             self._thread.join(timeout)
 
     # Admission (event loop) -----------------------------------------------------------
-    def submit(self, ticket: Ticket) -> None:
+    def submit(self, ticket: Ticket, within: float | None = None) -> None:
         """Queue all of a request's inputs, or none of them (429) when the work ahead would
-        not finish within `max_wait`. An empty queue takes any request."""
+        not finish within `within` seconds (what is left of the request's time; at most
+        `max_wait`). An empty queue takes any request."""
         with self._condition:
             if self.crashed is not None:
                 raise BackendError("the batch worker has stopped")
             busy = self._queued_tokens + self._running_tokens > 0
             wait = self.estimated_wait(ticket.tokens)
-            if busy and wait > self.max_wait:
-                retry_after = max(1, math.ceil(wait - self.max_wait))
-                raise OverloadedError(
-                    f"the queue holds about {self.estimated_wait():.1f} s of work; with this "
-                    f"request's {ticket.tokens} tokens it would not finish within "
-                    f"{self.max_wait:g} s; retry in {retry_after} s",
-                    retry_after=retry_after,
+            limit = self.max_wait if within is None else min(within, self.max_wait)
+            if busy and wait > limit:
+                raise self._overloaded(
+                    wait, limit, f"with this request's {ticket.tokens} tokens it would not"
                 )
             self._queue.extend(ticket.items)
             self._queued_tokens += ticket.tokens
             self._set_gauges()
             self._condition.notify()
+
+    def check_room(self, within: float) -> None:
+        """429 at once when the work already queued would not finish within `within`
+        seconds: called before a request is tokenized, so that refusing it costs nothing."""
+        with self._condition:
+            wait = self.estimated_wait()
+            limit = min(within, self.max_wait)
+            if wait > limit:
+                raise self._overloaded(wait, limit, "it would not")
+
+    def _overloaded(self, wait: float, limit: float, what: str) -> OverloadedError:
+        """Retry-After: when enough of the queue has drained for a request's full time."""
+        retry_after = max(1, math.ceil(wait - self.max_wait))
+        return OverloadedError(
+            f"the queue holds about {self.estimated_wait():.1f} s of work; {what} finish "
+            f"within the {limit:.1f} s left of the request's {self.max_wait:g} s; retry in "
+            f"{retry_after} s",
+            retry_after=retry_after,
+        )
 
     def _set_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self._queue))

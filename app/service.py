@@ -265,6 +265,10 @@ class EmbeddingService:
             self.limits.check_inputs(inputs)
             self.limits.check_dimensions(options.dimensions, info)
             attention = self.limits.resolve_attention(options.attention, info)
+            assert self.batcher is not None, "check_ready() guarantees a batcher"
+            # A full queue refuses before tokenizing: under overload a 429 then costs next to
+            # nothing, and comes fast.
+            self.batcher.check_room(deadline - time.perf_counter())
             encoded, tokenization = await self.tokenization.run(embedder, inputs, options)
             tokens = self.limits.check_tokens(encoded, options, attention, info)
             wants = Wants(
@@ -343,7 +347,9 @@ class EmbeddingService:
         assert self.batcher is not None, "check_ready() guarantees a batcher"
         loop = asyncio.get_running_loop()
         ticket = Ticket(encoded, wants, loop.create_future())
-        self.batcher.submit(ticket)
+        # Admitted only if the work ahead fits in the time this request has left (it may have
+        # spent some waiting for its body or the tokenizer): else it would be a 504.
+        self.batcher.submit(ticket, deadline - time.perf_counter())
         timeout = self.settings.request_timeout
         timer = loop.call_at(
             loop.time() + max(0.0, deadline - time.perf_counter()),
