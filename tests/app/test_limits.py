@@ -184,8 +184,36 @@ def test_queue_bound(tiny_embedder: Embedder) -> None:
         loop.close()
 
 
+def test_the_queue_bound_counts_the_time_a_request_has_left(tiny_embedder: Embedder) -> None:
+    """A request that spent part of its time (on its body, on the tokenizer) is admitted
+    only if the work ahead fits in what is left; a full queue refuses before tokenizing."""
+    batcher = make_batcher(tiny_embedder, max_wait=1.0)
+    batcher._seconds, batcher._tokens = 1 / 64, 1.0
+    loop = asyncio.new_event_loop()
+    try:
+
+        def ticket(tokens: int) -> Ticket:
+            encoded = [Encoded(list(range(tokens)), [], None, [], False)]
+            return Ticket(encoded, Wants(), loop.create_future())
+
+        batcher.submit(ticket(31))
+        batcher.submit(ticket(1), within=0.5)  # 32 tokens: 0.5 s, at what is left
+        with pytest.raises(OverloadedError) as refused:
+            batcher.submit(ticket(1), within=0.5)  # 33 tokens: past it
+        assert "0.5 s left" in refused.value.message and refused.value.retry_after == 1
+        batcher.submit(ticket(32))  # with its whole second: 64 tokens, at the bound
+        with pytest.raises(OverloadedError):
+            batcher.submit(ticket(1), within=5.0)  # never past max_wait
+    finally:
+        loop.close()
+    batcher.check_room(1.0)  # the queue alone is at the bound, not past it
+    with pytest.raises(OverloadedError):
+        batcher.check_room(0.9)  # 1 s of work ahead, 0.9 s left: refused untokenized
+
+
 async def test_queue_bound_over_http(tiny_checkpoint: Path) -> None:
-    """The same bound through the routes: at 30/64 s a token, 64 tokens fill the 30 s."""
+    """The same bound through the routes: at 30/64 s a token, 64 tokens fill the 30 s; one
+    token more than 63 does not fit in what is left of a request's 30 s."""
     settings = make_settings(tiny_checkpoint, request_timeout=30.0, max_batch_inputs=1)
     async with running_app(settings) as (app, client):
         service = service_of(app)
@@ -196,8 +224,9 @@ async def test_queue_bound_over_http(tiny_checkpoint: Path) -> None:
         held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
         await asyncio.to_thread(gate.entered.wait, 10)  # 3 tokens running
         batcher._seconds, batcher._tokens = 30 / 64, 1.0
-        # 3 running + 30 + 31 queued = 64 tokens: at the bound.
-        at = asyncio.create_task(client.post("/embed", json={"inputs": [[5] * 30, [5] * 31]}))
+        # 3 running + 30 + 30 queued = 63 tokens: 29.5 s, within the time the request has
+        # left (its 30 s, less the milliseconds it took to get here).
+        at = asyncio.create_task(client.post("/embed", json={"inputs": [[5] * 30, [5] * 30]}))
         await wait_until(lambda: batcher.depth == 2)
         past = await client.post("/embed", json={"inputs": [[5]]})
         batcher._seconds = 0.0  # let the held work finish at once
