@@ -361,6 +361,7 @@ class Overload:
     latency: dict[int, list[float]] = field(default_factory=dict)
     min_cosine: float = 1.0
     not_sent: int = 0  # arrivals with every allowed connection busy
+    client_lag: list[float] = field(default_factory=list)
 
 
 async def probe_once(connection: Connection) -> float:
@@ -414,6 +415,13 @@ async def offer(
     idle: list[tuple[float, Connection]] = []  # with the time each was last used
     open_connections = 0
 
+    async def watch_lag() -> None:
+        """How late this client's own event loop wakes up: its share of measured latency."""
+        while not done.is_set():
+            asked = time.perf_counter()
+            await asyncio.sleep(0.01)
+            outcome.client_lag.append(time.perf_counter() - asked - 0.01)
+
     async def one(index: int) -> None:
         nonlocal open_connections
         # uvicorn closes a connection idle for 5 s: such ones (the oldest) are closed here.
@@ -455,6 +463,7 @@ async def offer(
 
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
+    lag = asyncio.create_task(watch_lag())
     start = loop.time()
     index = 0
     while loop.time() < start + seconds:
@@ -466,6 +475,7 @@ async def offer(
         task.add_done_callback(tasks.discard)
         index += 1
     done.set()
+    await lag
     while tasks:  # every accepted request completes (or fails, counted)
         await asyncio.gather(*list(tasks))
     for _, connection in idle:
@@ -554,6 +564,12 @@ def overload(
         "latency_429_ms": {
             "p50": percentile_ms(outcome.latency.get(429, []), 50),
             "p99": percentile_ms(outcome.latency.get(429, []), 99),
+        },
+        # Latencies are measured by this client, on the same two cores: its own event loop's
+        # lateness is part of them.
+        "client_event_loop_lag_ms": {
+            "p50": percentile_ms(outcome.client_lag, 50),
+            "p99": percentile_ms(outcome.client_lag, 99),
         },
         "unloaded_probe_ms": {
             "p50": percentile_ms(unloaded, 50),
