@@ -7,6 +7,7 @@ completes even while the server drains: nothing after admission checks readiness
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -140,6 +141,12 @@ class EmbeddingService:
             seconds_per_token=seconds_per_token,
         )
         self.batcher.start(asyncio.get_running_loop())
+        # What start-up made (modules, the model, the app: about 330,000 objects with the
+        # default model) lives as long as the process: out of the cyclic collector's sight, a
+        # full collection takes milliseconds instead of 200-400 ms during which the event loop
+        # answers nothing (measured by bench/soak.py: the tail of its 429 latencies).
+        gc.collect()
+        gc.freeze()
         self.warmed_up = True
         log.info(
             "ready: %s (%s, %s: %s)", info.model_id, info.device, info.dtype, info.dtype_reason
