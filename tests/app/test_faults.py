@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -205,3 +206,15 @@ async def test_inputs_dropped_for_gone_clients_leave_the_queue_gauges_at_zero(
     assert "embed_queue_depth 0.0" in metrics
     assert "embed_queue_tokens 0.0" in metrics
     assert not any(FOX in ids for batch in gate.batches for ids in batch)
+
+
+async def test_start_up_objects_are_frozen_out_of_the_cyclic_collector(
+    tiny_checkpoint: Path,
+) -> None:
+    """A full collection walks every tracked object: those start-up made (the model, the
+    modules) are frozen once the model is warm, so that it never stalls the event loop."""
+    gc.unfreeze()
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        frozen = gc.get_freeze_count()
+        assert (await client.post("/embed", json={"inputs": "hello"})).status_code == 200
+    assert frozen > 10_000
