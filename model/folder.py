@@ -74,6 +74,7 @@ _METADATA_KEYS = (
     "model_type",
     "activation_fn",
     "max_active_dims",
+    "truncate_dim",
     # Which modules stay in float32 under a half-precision dtype: precision, not the outputs.
     "keep_in_fp32_modules",
 )
@@ -130,6 +131,9 @@ class FolderSpec:
     prompts: Mapping[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     similarity_fn_name: str = "cosine"
+    # Embed: every vector is cut to its first `truncate_dim` features after the modules, as
+    # sentence-transformers cuts them (a Matryoshka model saved for a smaller size).
+    truncate_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class _Metadata:
     default_prompt_name: str | None = None
     similarity_fn_name: str | None = None
     score_activation: ScoreActivation | None = None
+    truncate_dim: int | None = None
 
 
 def read_folder(folder: Path, task: Task | None = None) -> FolderSpec:
@@ -490,6 +495,11 @@ def _read_metadata(path: Path) -> _Metadata:
     activation = None
     if raw.get("activation_fn") is not None:
         activation = _score_activation(f"{path}: key 'activation_fn'", raw["activation_fn"])
+    truncate_dim = raw.get("truncate_dim")
+    if truncate_dim is not None and (
+        not isinstance(truncate_dim, int) or isinstance(truncate_dim, bool) or truncate_dim <= 0
+    ):
+        raise ConfigError(f"{path}: key 'truncate_dim' must be a positive integer or null")
     return _Metadata(
         source=path,
         model_type=kind,
@@ -497,6 +507,7 @@ def _read_metadata(path: Path) -> _Metadata:
         default_prompt_name=default,
         similarity_fn_name=raw.get("similarity_fn_name") or None,
         score_activation=activation,
+        truncate_dim=truncate_dim,
     )
 
 
@@ -515,6 +526,8 @@ def _metadata_settings(metadata: _Metadata, task: Task) -> dict[str, Any]:
         "prompts": metadata.prompts,
         "default_prompt_name": metadata.default_prompt_name,
         "similarity_fn_name": similarity,
+        # Only SentenceTransformer reads it; CrossEncoder and SparseEncoder leave it unread.
+        "truncate_dim": metadata.truncate_dim if task is Task.EMBED else None,
     }
 
 

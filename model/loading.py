@@ -35,8 +35,9 @@ class ModelInfo:
 
     model_id: str
     model_type: str
-    # Of the outputs: the pipeline's vectors (after any Dense layer); for classify the
-    # labels; for sparse the vocabulary.
+    # Of the outputs: the pipeline's vectors (after any Dense layer, cut to the folder's
+    # truncate_dim; a request may ask for fewer); for classify the labels; for sparse the
+    # vocabulary.
     dimensions: int
     hidden_size: int  # of the per-token vectors
     max_input_tokens: int
@@ -271,4 +272,6 @@ def load_pipeline(spec: FolderSpec, hidden_size: int) -> EmbeddingPipeline:
         elif index < len(spec.steps) - 1:
             steps.append(Normalize())
     trailing_norm = bool(spec.steps) and not isinstance(spec.steps[-1], DenseModule)
-    return EmbeddingPipeline(spec.pooling, steps, normalize=trailing_norm)
+    return EmbeddingPipeline(
+        spec.pooling, steps, normalize=trailing_norm, truncate_dim=spec.truncate_dim
+    )
