@@ -301,7 +301,9 @@ def _module_kind(source: Path, entry: Any) -> str:
     module_type: str = entry["type"]
     package, _, kind = module_type.rpartition(".")
     supported = ("Transformer", "MLMTransformer", "Pooling", "Dense", "Normalize", "SpladePooling")
-    if not package.startswith("sentence_transformers") or kind not in supported:
+    # sentence-transformers' own package only: `sentence_transformers_x.Dense` is someone's code.
+    own = package == "sentence_transformers" or package.startswith("sentence_transformers.")
+    if not own or kind not in supported:
         raise ConfigError(
             f"{source}: module {entry.get('name', entry.get('idx'))!r} has type {module_type!r}, "
             f"which this server does not implement (supported: {', '.join(supported)})"
