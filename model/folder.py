@@ -44,7 +44,18 @@ POOLING_FLAGS = {
     "pooling_mode_lasttoken": PoolingMode.LAST_TOKEN,
 }
 _DIMENSION_KEYS = ("word_embedding_dimension", "embedding_dimension")
-# Keys of sentence_bert_config.json that cannot change the vectors.
+# The Transformer's settings file, under the names sentence-transformers tries in this order
+# (its first versions named it after the architecture); the first that holds a key counts.
+_TRANSFORMER_CONFIG_FILES = (
+    "sentence_bert_config.json",
+    "sentence_roberta_config.json",
+    "sentence_distilbert_config.json",
+    "sentence_camembert_config.json",
+    "sentence_albert_config.json",
+    "sentence_xlm-roberta_config.json",
+    "sentence_xlnet_config.json",
+)
+# Keys of the Transformer's settings that cannot change the vectors.
 _INERT_TRANSFORMER_KEYS = ("unpad_inputs",)
 _TRANSFORMER_DEFAULTS: dict[str, Any] = {
     "processing_kwargs": None,
@@ -187,7 +198,7 @@ def _declared_task(metadata: _Metadata, kinds: list[str], transformer_dir: Path)
         return MODEL_TYPES[metadata.model_type]
     if kinds[0] == "MLMTransformer" or "SpladePooling" in kinds:
         return Task.SPARSE
-    settings = read_json_object(transformer_dir / "sentence_bert_config.json", required=False)
+    _, settings = _read_transformer_config(transformer_dir)
     if settings.get("transformer_task") == _TRANSFORMER_OUTPUTS[Task.CLASSIFY][0]:
         return Task.CLASSIFY
     return Task.EMBED
@@ -390,8 +401,7 @@ def _expect_sentence_embedding(path: Path, raw: Mapping[str, Any]) -> None:
 def _transformer_settings(folder: Path, task: Task, kind: str = "Transformer") -> dict[str, Any]:
     """`max_seq_length` and `do_lower_case`; every other key must be inert, at its default, or
     say that the Transformer computes what `task` reads."""
-    path = folder / "sentence_bert_config.json"
-    raw = read_json_object(path, required=False)
+    path, raw = _read_transformer_config(folder)
     _refuse_unknown(
         path,
         raw,
@@ -440,6 +450,15 @@ def _transformer_settings(folder: Path, task: Task, kind: str = "Transformer") -
     if not isinstance(do_lower_case, bool):
         raise ConfigError(f"{path}: key 'do_lower_case' must be true or false")
     return {"max_seq_length": max_seq_length, "do_lower_case": do_lower_case}
+
+
+def _read_transformer_config(folder: Path) -> tuple[Path, dict[str, Any]]:
+    """The Transformer's settings file and its keys ({} when there is none)."""
+    for name in _TRANSFORMER_CONFIG_FILES:
+        raw = read_json_object(folder / name, required=False)
+        if raw:
+            return folder / name, raw
+    return folder / _TRANSFORMER_CONFIG_FILES[0], {}
 
 
 def _read_splade(path: Path) -> tuple[Splade, int | None]:
