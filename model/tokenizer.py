@@ -81,9 +81,9 @@ class TextTokenizer:
         tokenizer = Tokenizer.from_str(tokenizer_json)
         tokenizer.no_padding()
         tokenizer.no_truncation()
-        if self._lowercase:
-            # sentence-transformers' do_lower_case: a Lowercase normalizer in front, so that
-            # offsets still point into the text as sent.
+        if self._lowercase and not _has_lowercase(tokenizer.normalizer):
+            # sentence-transformers' do_lower_case: a Lowercase normalizer in front (unless it
+            # finds one there already), so that offsets still point into the text as sent.
             current = tokenizer.normalizer
             steps = [normalizers.Lowercase()] + ([current] if current is not None else [])
             tokenizer.normalizer = normalizers.Sequence(steps)
@@ -323,6 +323,15 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._untruncated.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _has_lowercase(normalizer: normalizers.Normalizer | None) -> bool:
+    """sentence-transformers' test: a Lowercase, or a Sequence holding one (a BertNormalizer
+    that lowercases does not count)."""
+    if isinstance(normalizer, normalizers.Sequence):
+        steps = (normalizer[index] for index in range(len(normalizer)))
+        return any(isinstance(step, normalizers.Lowercase) for step in steps)
+    return isinstance(normalizer, normalizers.Lowercase)
 
 
 def _shift_offsets(encoded: Encoded, after: int, shift: int) -> Encoded:
