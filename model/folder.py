@@ -131,6 +131,7 @@ class FolderSpec:
     # The size the pooling config was saved for: the token embeddings' (checked against the
     # encoder), or for SPLADE the vocabulary's.
     pooling_dimension: int | None = None
+    pooling_file: Path | None = None  # where pooling_dimension was read, for errors
     # Dense and Normalize modules after the pooling, in order.
     steps: tuple[DenseModule | NormalizeModule, ...] = ()
     # Sparse: SpladePooling's settings.
@@ -212,7 +213,8 @@ def _embedding_modules(
         raise ConfigError(f"{modules_file}: the first module must be a Transformer, not {kinds[0]}")
     if kinds[1:2] != ["Pooling"]:
         raise ConfigError(f"{modules_file}: the Transformer must be followed by a Pooling module")
-    pooling, pooling_dimension = _read_pooling(paths[1] / "config.json")
+    pooling_file = paths[1] / "config.json"
+    pooling, pooling_dimension = _read_pooling(pooling_file)
     steps: list[DenseModule | NormalizeModule] = []
     for kind, path in zip(kinds[2:], paths[2:], strict=True):
         if kind == "Dense":
@@ -226,6 +228,7 @@ def _embedding_modules(
         transformer_dir=paths[0],
         pooling=pooling,
         pooling_dimension=pooling_dimension,
+        pooling_file=pooling_file,
         steps=tuple(steps),
         **_transformer_settings(paths[0], Task.EMBED, kinds[0]),
         **_metadata_settings(metadata, Task.EMBED),
@@ -260,11 +263,13 @@ def _sparse_modules(
             f"{modules_file}: a SparseEncoder here is a Transformer (or MLMTransformer) and a "
             f"SpladePooling module, not {' + '.join(kinds)}"
         )
-    splade, dimension = _read_splade(paths[1] / "config.json")
+    pooling_file = paths[1] / "config.json"
+    splade, dimension = _read_splade(pooling_file)
     return FolderSpec(
         transformer_dir=paths[0],
         task=Task.SPARSE,
         pooling_dimension=dimension,
+        pooling_file=pooling_file,
         splade=splade,
         **_transformer_settings(paths[0], Task.SPARSE, kinds[0]),
         **_metadata_settings(metadata, Task.SPARSE),

@@ -182,7 +182,7 @@ def load_network_with_head(
     _check_score_activation(spec.score_activation, labels)
     if spec.task is Task.SPARSE and spec.pooling_dimension not in (None, config.vocab_size):
         raise ConfigError(
-            f"SpladePooling config: embedding dimension {spec.pooling_dimension} does not "
+            f"{spec.pooling_file}: embedding dimension {spec.pooling_dimension} does not "
             f"match the vocabulary size {config.vocab_size}"
         )
     head_shapes = _shapes(head)
@@ -251,7 +251,7 @@ def load_pipeline(spec: FolderSpec, hidden_size: int) -> EmbeddingPipeline:
     Normalize; Dense layers stay in float32 whatever the encoder's dtype."""
     if spec.pooling_dimension not in (None, hidden_size):
         raise ConfigError(
-            f"pooling config: embedding dimension {spec.pooling_dimension} does not match the "
+            f"{spec.pooling_file}: embedding dimension {spec.pooling_dimension} does not match the "
             f"encoder's hidden_size {hidden_size}"
         )
     size = hidden_size * len(spec.pooling.modes)
