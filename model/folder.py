@@ -44,7 +44,18 @@ POOLING_FLAGS = {
     "pooling_mode_lasttoken": PoolingMode.LAST_TOKEN,
 }
 _DIMENSION_KEYS = ("word_embedding_dimension", "embedding_dimension")
-# Keys of sentence_bert_config.json that cannot change the vectors.
+# The Transformer's settings file, under the names sentence-transformers tries in this order
+# (its first versions named it after the architecture); the first that holds a key counts.
+_TRANSFORMER_CONFIG_FILES = (
+    "sentence_bert_config.json",
+    "sentence_roberta_config.json",
+    "sentence_distilbert_config.json",
+    "sentence_camembert_config.json",
+    "sentence_albert_config.json",
+    "sentence_xlm-roberta_config.json",
+    "sentence_xlnet_config.json",
+)
+# Keys of the Transformer's settings that cannot change the vectors.
 _INERT_TRANSFORMER_KEYS = ("unpad_inputs",)
 _TRANSFORMER_DEFAULTS: dict[str, Any] = {
     "processing_kwargs": None,
@@ -74,6 +85,7 @@ _METADATA_KEYS = (
     "model_type",
     "activation_fn",
     "max_active_dims",
+    "truncate_dim",
     # Which modules stay in float32 under a half-precision dtype: precision, not the outputs.
     "keep_in_fp32_modules",
 )
@@ -119,6 +131,7 @@ class FolderSpec:
     # The size the pooling config was saved for: the token embeddings' (checked against the
     # encoder), or for SPLADE the vocabulary's.
     pooling_dimension: int | None = None
+    pooling_file: Path | None = None  # where pooling_dimension was read, for errors
     # Dense and Normalize modules after the pooling, in order.
     steps: tuple[DenseModule | NormalizeModule, ...] = ()
     # Sparse: SpladePooling's settings.
@@ -130,6 +143,9 @@ class FolderSpec:
     prompts: Mapping[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     similarity_fn_name: str = "cosine"
+    # Embed: every vector is cut to its first `truncate_dim` features after the modules, as
+    # sentence-transformers cuts them (a Matryoshka model saved for a smaller size).
+    truncate_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +158,7 @@ class _Metadata:
     default_prompt_name: str | None = None
     similarity_fn_name: str | None = None
     score_activation: ScoreActivation | None = None
+    truncate_dim: int | None = None
 
 
 def read_folder(folder: Path, task: Task | None = None) -> FolderSpec:
@@ -182,7 +199,7 @@ def _declared_task(metadata: _Metadata, kinds: list[str], transformer_dir: Path)
         return MODEL_TYPES[metadata.model_type]
     if kinds[0] == "MLMTransformer" or "SpladePooling" in kinds:
         return Task.SPARSE
-    settings = read_json_object(transformer_dir / "sentence_bert_config.json", required=False)
+    _, settings = _read_transformer_config(transformer_dir)
     if settings.get("transformer_task") == _TRANSFORMER_OUTPUTS[Task.CLASSIFY][0]:
         return Task.CLASSIFY
     return Task.EMBED
@@ -196,7 +213,8 @@ def _embedding_modules(
         raise ConfigError(f"{modules_file}: the first module must be a Transformer, not {kinds[0]}")
     if kinds[1:2] != ["Pooling"]:
         raise ConfigError(f"{modules_file}: the Transformer must be followed by a Pooling module")
-    pooling, pooling_dimension = _read_pooling(paths[1] / "config.json")
+    pooling_file = paths[1] / "config.json"
+    pooling, pooling_dimension = _read_pooling(pooling_file)
     steps: list[DenseModule | NormalizeModule] = []
     for kind, path in zip(kinds[2:], paths[2:], strict=True):
         if kind == "Dense":
@@ -210,6 +228,7 @@ def _embedding_modules(
         transformer_dir=paths[0],
         pooling=pooling,
         pooling_dimension=pooling_dimension,
+        pooling_file=pooling_file,
         steps=tuple(steps),
         **_transformer_settings(paths[0], Task.EMBED, kinds[0]),
         **_metadata_settings(metadata, Task.EMBED),
@@ -244,11 +263,13 @@ def _sparse_modules(
             f"{modules_file}: a SparseEncoder here is a Transformer (or MLMTransformer) and a "
             f"SpladePooling module, not {' + '.join(kinds)}"
         )
-    splade, dimension = _read_splade(paths[1] / "config.json")
+    pooling_file = paths[1] / "config.json"
+    splade, dimension = _read_splade(pooling_file)
     return FolderSpec(
         transformer_dir=paths[0],
         task=Task.SPARSE,
         pooling_dimension=dimension,
+        pooling_file=pooling_file,
         splade=splade,
         **_transformer_settings(paths[0], Task.SPARSE, kinds[0]),
         **_metadata_settings(metadata, Task.SPARSE),
@@ -296,7 +317,9 @@ def _module_kind(source: Path, entry: Any) -> str:
     module_type: str = entry["type"]
     package, _, kind = module_type.rpartition(".")
     supported = ("Transformer", "MLMTransformer", "Pooling", "Dense", "Normalize", "SpladePooling")
-    if not package.startswith("sentence_transformers") or kind not in supported:
+    # sentence-transformers' own package only: `sentence_transformers_x.Dense` is someone's code.
+    own = package == "sentence_transformers" or package.startswith("sentence_transformers.")
+    if not own or kind not in supported:
         raise ConfigError(
             f"{source}: module {entry.get('name', entry.get('idx'))!r} has type {module_type!r}, "
             f"which this server does not implement (supported: {', '.join(supported)})"
@@ -383,8 +406,7 @@ def _expect_sentence_embedding(path: Path, raw: Mapping[str, Any]) -> None:
 def _transformer_settings(folder: Path, task: Task, kind: str = "Transformer") -> dict[str, Any]:
     """`max_seq_length` and `do_lower_case`; every other key must be inert, at its default, or
     say that the Transformer computes what `task` reads."""
-    path = folder / "sentence_bert_config.json"
-    raw = read_json_object(path, required=False)
+    path, raw = _read_transformer_config(folder)
     _refuse_unknown(
         path,
         raw,
@@ -433,6 +455,15 @@ def _transformer_settings(folder: Path, task: Task, kind: str = "Transformer") -
     if not isinstance(do_lower_case, bool):
         raise ConfigError(f"{path}: key 'do_lower_case' must be true or false")
     return {"max_seq_length": max_seq_length, "do_lower_case": do_lower_case}
+
+
+def _read_transformer_config(folder: Path) -> tuple[Path, dict[str, Any]]:
+    """The Transformer's settings file and its keys ({} when there is none)."""
+    for name in _TRANSFORMER_CONFIG_FILES:
+        raw = read_json_object(folder / name, required=False)
+        if raw:
+            return folder / name, raw
+    return folder / _TRANSFORMER_CONFIG_FILES[0], {}
 
 
 def _read_splade(path: Path) -> tuple[Splade, int | None]:
@@ -490,6 +521,11 @@ def _read_metadata(path: Path) -> _Metadata:
     activation = None
     if raw.get("activation_fn") is not None:
         activation = _score_activation(f"{path}: key 'activation_fn'", raw["activation_fn"])
+    truncate_dim = raw.get("truncate_dim")
+    if truncate_dim is not None and (
+        not isinstance(truncate_dim, int) or isinstance(truncate_dim, bool) or truncate_dim <= 0
+    ):
+        raise ConfigError(f"{path}: key 'truncate_dim' must be a positive integer or null")
     return _Metadata(
         source=path,
         model_type=kind,
@@ -497,6 +533,7 @@ def _read_metadata(path: Path) -> _Metadata:
         default_prompt_name=default,
         similarity_fn_name=raw.get("similarity_fn_name") or None,
         score_activation=activation,
+        truncate_dim=truncate_dim,
     )
 
 
@@ -515,6 +552,8 @@ def _metadata_settings(metadata: _Metadata, task: Task) -> dict[str, Any]:
         "prompts": metadata.prompts,
         "default_prompt_name": metadata.default_prompt_name,
         "similarity_fn_name": similarity,
+        # Only SentenceTransformer reads it; CrossEncoder and SparseEncoder leave it unread.
+        "truncate_dim": metadata.truncate_dim if task is Task.EMBED else None,
     }
 
 

@@ -35,8 +35,9 @@ class ModelInfo:
 
     model_id: str
     model_type: str
-    # Of the outputs: the pipeline's vectors (after any Dense layer); for classify the
-    # labels; for sparse the vocabulary.
+    # Of the outputs: the pipeline's vectors (after any Dense layer, cut to the folder's
+    # truncate_dim; a request may ask for fewer); for classify the labels; for sparse the
+    # vocabulary.
     dimensions: int
     hidden_size: int  # of the per-token vectors
     max_input_tokens: int
@@ -181,7 +182,7 @@ def load_network_with_head(
     _check_score_activation(spec.score_activation, labels)
     if spec.task is Task.SPARSE and spec.pooling_dimension not in (None, config.vocab_size):
         raise ConfigError(
-            f"SpladePooling config: embedding dimension {spec.pooling_dimension} does not "
+            f"{spec.pooling_file}: embedding dimension {spec.pooling_dimension} does not "
             f"match the vocabulary size {config.vocab_size}"
         )
     head_shapes = _shapes(head)
@@ -250,7 +251,7 @@ def load_pipeline(spec: FolderSpec, hidden_size: int) -> EmbeddingPipeline:
     Normalize; Dense layers stay in float32 whatever the encoder's dtype."""
     if spec.pooling_dimension not in (None, hidden_size):
         raise ConfigError(
-            f"pooling config: embedding dimension {spec.pooling_dimension} does not match the "
+            f"{spec.pooling_file}: embedding dimension {spec.pooling_dimension} does not match the "
             f"encoder's hidden_size {hidden_size}"
         )
     size = hidden_size * len(spec.pooling.modes)
@@ -271,4 +272,6 @@ def load_pipeline(spec: FolderSpec, hidden_size: int) -> EmbeddingPipeline:
         elif index < len(spec.steps) - 1:
             steps.append(Normalize())
     trailing_norm = bool(spec.steps) and not isinstance(spec.steps[-1], DenseModule)
-    return EmbeddingPipeline(spec.pooling, steps, normalize=trailing_norm)
+    return EmbeddingPipeline(
+        spec.pooling, steps, normalize=trailing_norm, truncate_dim=spec.truncate_dim
+    )

@@ -3,8 +3,8 @@
 This is one `EmbeddingPipeline`, described by the model folder (model/folder.py reads it):
 sentence-transformers' Pooling (every mode, several at once concatenated in its order,
 prompt tokens left out when `include_prompt` is false), its Dense layers and Normalize
-modules in order. What a request adds comes last: `finish` keeps the first `dimensions`
-features (Matryoshka), then L2-normalises if asked.
+modules in order, then the folder's `truncate_dim` cut. What a request adds comes last:
+`finish` keeps the first `dimensions` features (Matryoshka), then L2-normalises if asked.
 
 Everything here runs in float32, whatever the encoder's dtype: sums over hundreds of tokens
 in half precision lose digits, and a float16 `clamp(min=1e-9)` underflows to zero.
@@ -133,24 +133,37 @@ class Normalize(nn.Module):
 
 
 class EmbeddingPipeline(nn.Module):
-    """Pooling, then the Dense and Normalize modules in the folder's order.
+    """Pooling, then the Dense and Normalize modules in the folder's order, then the first
+    `truncate_dim` features kept (sentence-transformers cuts there too, after the modules).
 
     A Normalize at the very end is not run here but reported as `normalize`: the request's
-    own `normalize` (default true, as in text-embeddings-inference) decides, after the cut.
+    own `normalize` (default true, as in text-embeddings-inference) decides, after the cuts.
+    So a model with a truncate_dim and a final Normalize serves its cut vectors normalised,
+    as sentence-transformers' `encode(normalize_embeddings=True)` does (without it,
+    sentence-transformers returns the cut piece of a unit vector: the same direction, a
+    shorter length).
     """
 
-    def __init__(self, pooling: Pooling, steps: Sequence[nn.Module], normalize: bool) -> None:
+    def __init__(
+        self,
+        pooling: Pooling,
+        steps: Sequence[nn.Module],
+        normalize: bool,
+        truncate_dim: int | None = None,
+    ) -> None:
         super().__init__()
         self.pooling = pooling
         self.steps = nn.ModuleList(steps)
         self.normalize = normalize
+        self.truncate_dim = truncate_dim
 
     def forward(self, hidden: Tensor, attention_mask: Tensor, prompt_lengths: Tensor) -> Tensor:
-        """(B, T, D) states -> (B, dimensions) float32 vectors, before the cut and the norm."""
+        """(B, T, D) states -> (B, dimensions) float32 vectors, before the request's cut and
+        the norm."""
         vectors = self.pooling(hidden, attention_mask, prompt_lengths)
         for step in self.steps:
             vectors = step(vectors)
-        return vectors
+        return vectors[:, : self.truncate_dim]
 
     def dimensions(self, hidden_size: int) -> int:
         """Size of the vectors this pipeline gives for an encoder of `hidden_size`."""
@@ -158,7 +171,7 @@ class EmbeddingPipeline(nn.Module):
         for step in self.steps:
             if isinstance(step, Dense):
                 size = step.spec.out_features
-        return size
+        return min(size, self.truncate_dim or size)
 
 
 def finish(vectors: FloatArray, normalize: bool, dimensions: int | None = None) -> FloatArray:

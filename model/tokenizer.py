@@ -81,9 +81,9 @@ class TextTokenizer:
         tokenizer = Tokenizer.from_str(tokenizer_json)
         tokenizer.no_padding()
         tokenizer.no_truncation()
-        if self._lowercase:
-            # sentence-transformers' do_lower_case: a Lowercase normalizer in front, so that
-            # offsets still point into the text as sent.
+        if self._lowercase and not _has_lowercase(tokenizer.normalizer):
+            # sentence-transformers' do_lower_case: a Lowercase normalizer in front (unless it
+            # finds one there already), so that offsets still point into the text as sent.
             current = tokenizer.normalizer
             steps = [normalizers.Lowercase()] + ([current] if current is not None else [])
             tokenizer.normalizer = normalizers.Sequence(steps)
@@ -213,6 +213,7 @@ class TextTokenizer:
                 was_cut = False
             result = self._from_encoding(index, encoding, truncate, was_cut=was_cut)
             if was_cut and direction == "left":
+                # The cut dropped the start of the text: offsets count from the text as sent.
                 result = _shift_offsets(result, len(prompt), len(text) - len(cut[index]))
             if keep_prompt:
                 result = self._cut_keeping_prompt(result, len(prompt))
@@ -324,13 +325,24 @@ class TextTokenizer:
         return self._untruncated.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
-def _shift_offsets(encoded: Encoded, start: int, shift: int) -> Encoded:
-    """A text cut on the left has offsets into the piece kept: move those of its tokens
-    (past the prompt's `start` characters; special tokens keep (0, 0)) into the whole text."""
+def _has_lowercase(normalizer: normalizers.Normalizer | None) -> bool:
+    """sentence-transformers' test: a Lowercase, or a Sequence holding one (a BertNormalizer
+    that lowercases does not count)."""
+    if isinstance(normalizer, normalizers.Sequence):
+        steps = (normalizer[index] for index in range(len(normalizer)))
+        return any(isinstance(step, normalizers.Lowercase) for step in steps)
+    return isinstance(normalizer, normalizers.Lowercase)
+
+
+def _shift_offsets(encoded: Encoded, after: int, shift: int) -> Encoded:
+    """Offsets past character `after` (the prompt's end) moved on by `shift` characters;
+    special tokens keep their (0, 0)."""
     assert encoded.offsets is not None, "texts have offsets"
     offsets = [
-        (begin + shift, end + shift) if begin >= start and not special else (begin, end)
-        for (begin, end), special in zip(encoded.offsets, encoded.special, strict=True)
+        (start, end)
+        if special
+        else (start + shift if start >= after else start, end + shift if end > after else end)
+        for (start, end), special in zip(encoded.offsets, encoded.special, strict=True)
     ]
     return replace(encoded, offsets=offsets)
 

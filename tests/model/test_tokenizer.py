@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 
 from model import Embedder, InputTooLongError, TokenIdError
-from tests.helpers import TINY_VOCAB
+from model.tokenizer import CHARS_PER_TOKEN, CUT_MARGIN
+from tests.helpers import TINY_VOCAB, tiny_tokenizer
 
 LONG = " ".join(["hello world"] * 40)  # 80 words, over the tiny model's 48 tokens
 
@@ -60,3 +61,27 @@ def test_real_tokenizer_ignores_its_training_padding(minilm: Embedder) -> None:
     short, long = minilm.tokenize(["hi", "word " * 300])
     assert len(short.ids) == 3
     assert len(long.ids) == minilm.info.max_input_tokens == 256
+
+
+def test_a_long_text_cut_on_the_left_has_offsets_into_the_text_as_sent(
+    tiny_embedder: Embedder,
+) -> None:
+    """Long enough to be cut by characters before it is tokenized (model/tokenizer.py): the
+    tokens and offsets are those of the whole text, with or without a prompt in front."""
+    limit = tiny_embedder.info.max_input_tokens
+    text = "fox " + " ".join(["the quick brown dog"] * 200) + " jumps over"
+    assert len(text) > (limit + CUT_MARGIN) * CHARS_PER_TOKEN
+    reference = tiny_tokenizer()
+    reference.enable_truncation(limit, direction="left")
+    whole = reference.encode(text)
+    [cut] = tiny_embedder.tokenize([text], direction="left")
+    assert (cut.ids, cut.offsets) == (whole.ids, whole.offsets)
+    prompt = "hello, "
+    [prompted] = tiny_embedder.tokenizer.encode([text], direction="left", prompt=prompt)
+    assert prompted.tokens[1:3] == ["hello", ","] and prompted.offsets is not None
+    sent = prompt + text
+    for token, (start, end), special in zip(
+        prompted.tokens, prompted.offsets, prompted.special, strict=True
+    ):
+        assert special or sent[start:end] == token.removeprefix("##")
+    assert prompted.offsets[-2] == (len(sent) - 4, len(sent))
