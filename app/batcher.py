@@ -186,9 +186,9 @@ class Batcher:
         with self._condition:
             if self.crashed is not None:
                 raise BackendError("the batch worker has stopped")
-            busy = self._queued_tokens + self._running_tokens > 0
-            wait = self.estimated_wait(ticket.tokens)
             limit = self.max_wait if within is None else min(within, self.max_wait)
+            wait = self._wait_without_abandoned(ticket.tokens, limit)
+            busy = self._queued_tokens + self._running_tokens > 0
             if busy and wait > limit:
                 raise self._overloaded(
                     wait, limit, f"with this request's {ticket.tokens} tokens it would not"
@@ -202,10 +202,20 @@ class Batcher:
         """429 at once when the work already queued would not finish within `within`
         seconds: called before a request is tokenized, so that refusing it costs nothing."""
         with self._condition:
-            wait = self.estimated_wait()
             limit = min(within, self.max_wait)
+            wait = self._wait_without_abandoned(0, limit)
             if wait > limit:
                 raise self._overloaded(wait, limit, "it would not")
+
+    def _wait_without_abandoned(self, tokens: int, limit: float) -> float:
+        """The estimated wait; past `limit`, once more without the inputs of requests that
+        nobody waits for any more (their clients left while they were queued), which the
+        worker would drop. Called with the lock held."""
+        wait = self.estimated_wait(tokens)
+        if wait > limit:
+            self._drop_abandoned()
+            wait = self.estimated_wait(tokens)
+        return wait
 
     def _overloaded(self, wait: float, limit: float, what: str) -> OverloadedError:
         """Retry-After: when enough of the queue has drained for a request's full time."""
