@@ -211,6 +211,24 @@ def test_the_queue_bound_counts_the_time_a_request_has_left(tiny_embedder: Embed
         batcher.check_room(0.9)  # 1 s of work ahead, 0.9 s left: refused untokenized
 
 
+def test_inputs_nobody_waits_for_do_not_fill_the_queue(tiny_embedder: Embedder) -> None:
+    """Found by bench/soak.py: clients that left while queued made the queue look full, and a
+    client that stayed got 429 for work that would never run."""
+    batcher = make_batcher(tiny_embedder, max_wait=1.0)
+    batcher._seconds, batcher._tokens = 1 / 64, 1.0
+    loop = asyncio.new_event_loop()
+    try:
+        encoded = [Encoded(list(range(64)), [], None, [], False)]
+        gone = Ticket(encoded, Wants(), loop.create_future())
+        batcher.submit(gone)  # a whole second of work
+        gone.abandoned = True  # its client disconnected
+        batcher.check_room(0.5)
+        batcher.submit(Ticket(encoded, Wants(), loop.create_future()))
+    finally:
+        loop.close()
+    assert batcher.depth == 1 and batcher.estimated_wait() == 1.0
+
+
 async def test_queue_bound_over_http(tiny_checkpoint: Path) -> None:
     """The same bound through the routes: at 30/64 s a token, 64 tokens fill the 30 s; one
     token more than 63 does not fit in what is left of a request's 30 s."""
