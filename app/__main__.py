@@ -10,16 +10,9 @@ CLOSE_GRACE seconds for uvicorn to close connections, then up to 2 s for the wor
 
 from __future__ import annotations
 
-import os
-
-# Before torch loads: idle OpenMP threads sleep instead of spinning, so the event loop and
-# the tokenizer threads get the CPU between forward passes. With a CPU-hungry load client
-# this gave 110 against 98 requests/s; with bench/server.py's lean client, a difference
-# within noise.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import asyncio
 import logging
+import os
 import sys
 from types import FrameType
 

@@ -19,12 +19,14 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from app.compute import ComputeThread
 from app.errors import BackendError, OverloadedError, ServiceError
 from app.memory import Trimmer
 from app.metrics import Metrics
@@ -134,13 +136,17 @@ class Batcher:
         self.max_attention_values = max_attention_values
         self.max_wait = max_wait
         self.batch_wait = batch_wait
+        # Whether the last batch served more than one request: waiting for a fuller batch
+        # pays only then. A lone client sends its next request only after its answer, so a
+        # wait for company would cost it the whole quiet gap on every request.
+        self._several_clients = False
         self._queue: list[WorkItem] = []
         self._queued_tokens = 0
         self._running_tokens = 0
         self._condition = threading.Condition()
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, name="embed-batcher", daemon=True)
+        self._worker: Future[None] | None = None
         # Decayed sums of seconds and tokens over recent batches: their ratio estimates the
         # seconds one more queued token costs (big batches weigh most, as under load).
         self._seconds = seconds_per_token * 1000
@@ -151,7 +157,7 @@ class Batcher:
     # State ----------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._worker is not None and not self._worker.done()
 
     @property
     def depth(self) -> int:
@@ -167,16 +173,18 @@ class Batcher:
         return backlog * self.seconds_per_token
 
     # Lifecycle ------------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, compute: ComputeThread | None = None) -> None:
+        """Run the worker loop on `compute`, the thread that loaded the model (see
+        app/compute.py), or on a thread of its own."""
         self._loop = loop
-        self._thread.start()
+        self._worker = (compute or ComputeThread()).submit(self._run)
 
     def stop(self, timeout: float = 2.0) -> None:
         with self._condition:
             self._stopping = True
             self._condition.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        if self._worker is not None:
+            wait([self._worker], timeout)
 
     # Admission (event loop) -----------------------------------------------------------
     def submit(self, ticket: Ticket, within: float | None = None) -> None:
@@ -266,6 +274,7 @@ class Batcher:
             if self._stopping:
                 return None
             batch = self._choose(self._queue[: self.max_batch_inputs * WINDOW_FACTOR])
+            self._several_clients = len({id(item.ticket) for item in batch}) > 1
             chosen = {id(item) for item in batch}
             self._queue = [item for item in self._queue if id(item) not in chosen]
             tokens = sum(item.length for item in batch)
@@ -286,7 +295,10 @@ class Batcher:
     def _wait_for_fuller_batch(self) -> None:
         """Clients answered a moment ago come back within milliseconds: while inputs keep
         arriving, wait for them (up to batch_wait) so that one full batch runs instead of two
-        half ones. A lone request waits only one quiet gap. Called with the lock held."""
+        half ones. A lone request waits at most one quiet gap, and not even that when the last
+        batch had a single client. Called with the lock held."""
+        if not self._several_clients:
+            return
         deadline = time.perf_counter() + self.batch_wait
         while len(self._queue) < self.max_batch_inputs and not self._stopping:
             remaining = deadline - time.perf_counter()

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from app.batcher import Batcher, ItemResult, Ticket, Wants
+from app.compute import ComputeThread
 from app.errors import (
     ClientDisconnectedError,
     DeadlineError,
@@ -104,25 +104,29 @@ class EmbeddingService:
         self._idle = asyncio.Event()
         self._idle.set()
         self.tokenization = Tokenization(metrics, settings.auto_truncate)
+        # Every torch call runs on this one thread, made at start (see app/compute.py).
+        self.compute: ComputeThread | None = None
 
     # Lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         """Load the model, warm it up, then start the worker (all off the event loop)."""
         settings = self.settings
         threads = settings.threads or available_cpus()
-        torch.set_num_threads(threads)
         log.info("%d torch threads", threads)
+        self.compute = compute = ComputeThread(threads)
         try:
-            embedder = await asyncio.to_thread(
-                Embedder.load,
-                settings.model_id,
-                task=settings.task,
-                device=settings.device,
-                dtype=settings.dtype,
-                allow_download=settings.allow_download,
-                max_input_tokens=settings.max_input_tokens,
+            embedder = await asyncio.wrap_future(
+                compute.submit(
+                    Embedder.load,
+                    settings.model_id,
+                    task=settings.task,
+                    device=settings.device,
+                    dtype=settings.dtype,
+                    allow_download=settings.allow_download,
+                    max_input_tokens=settings.max_input_tokens,
+                )
             )
-            seconds_per_token = await asyncio.to_thread(self._warm_up, embedder)
+            seconds_per_token = await asyncio.wrap_future(compute.submit(self._warm_up, embedder))
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
@@ -140,7 +144,7 @@ class EmbeddingService:
             batch_wait=settings.batch_wait_ms / 1000,
             seconds_per_token=seconds_per_token,
         )
-        self.batcher.start(asyncio.get_running_loop())
+        self.batcher.start(asyncio.get_running_loop(), compute)
         # What start-up made (modules, the model, the app: about 330,000 objects with the
         # default model) lives as long as the process: out of the cyclic collector's sight, a
         # full collection takes milliseconds instead of 200-400 ms during which the event loop
@@ -165,6 +169,8 @@ class EmbeddingService:
     async def stop(self) -> None:
         if self.batcher is not None:
             await asyncio.to_thread(self.batcher.stop)
+        if self.compute is not None:
+            self.compute.close()
         self.tokenization.shutdown()
 
     def begin_stop(self) -> None:

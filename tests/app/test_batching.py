@@ -265,6 +265,7 @@ def test_input_abandoned_during_the_batch_wait_does_not_run(
 
     monkeypatch.setattr(batcher_module, "QUIET_GAP", 30.0)  # the wait ends only when full
     batcher = make_batcher(tiny_embedder, max_batch_inputs=2, batch_wait=30.0)
+    batcher._several_clients = True  # as after a batch that served two clients
     first, second = make_items([3, 4])
     batcher.submit(first.ticket)
     chosen: list[list[WorkItem] | None] = []
@@ -275,3 +276,34 @@ def test_input_abandoned_during_the_batch_wait_does_not_run(
     batcher.submit(second.ticket)  # the batch is full: the wait ends
     worker.join(timeout=10)
     assert chosen == [[second]]
+
+
+def test_the_batch_wait_follows_how_many_clients_the_last_batch_served(
+    tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone client is never kept waiting for company; after a batch of several clients,
+    the worker waits for the others to come back."""
+    import threading
+
+    from app import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "QUIET_GAP", 30.0)  # a wait would end only when full
+    batcher = make_batcher(tiny_embedder, max_batch_inputs=2, batch_wait=30.0)
+    lone, again, one, other, first, second = make_items([3, 3, 4, 4, 5, 5])
+    for item in (lone, again):  # one client, one request after the other
+        batcher.submit(item.ticket)
+        started = time.perf_counter()
+        assert batcher._next_batch() == [item]
+        assert time.perf_counter() - started < 5
+    batcher.submit(one.ticket)
+    batcher.submit(other.ticket)
+    assert batcher._next_batch() == [one, other]  # two clients served together
+    batcher.submit(first.ticket)
+    chosen: list[list[WorkItem] | None] = []
+    worker = threading.Thread(target=lambda: chosen.append(batcher._next_batch()))
+    worker.start()
+    time.sleep(0.2)
+    assert chosen == []  # waiting for the other client to come back
+    batcher.submit(second.ticket)
+    worker.join(timeout=10)
+    assert chosen == [[first, second]]

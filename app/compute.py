@@ -1,0 +1,55 @@
+"""One OS thread for all of torch's work: loading, warm-up and every forward pass.
+
+Why one: torch's CPU kernels parallelise with OpenMP (libgomp), which keeps a pool of worker
+threads for each thread that starts parallel work. Once it manages more threads than there
+are CPUs, it stops spinning between parallel regions and puts its workers to sleep, and each
+of the hundreds of regions in a forward pass then pays for waking them. Loading the model in
+one thread and running it in another doubled a one-sentence forward pass on a 2-core machine
+(about 5 ms to 10 ms in bfloat16; `bench/README.md`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from functools import partial
+from typing import ParamSpec, TypeVar
+
+import torch
+
+P = ParamSpec("P")
+T = TypeVar("T")
+Job = tuple[Callable[[], object], "Future[object]"]
+
+
+class ComputeThread:
+    """A daemon thread that runs submitted calls one after another, in order."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="embed-compute", daemon=True)
+        self._thread.start()
+        if threads is not None:
+            # OpenMP's thread count is a per-thread setting: set it where the work runs.
+            self.submit(torch.set_num_threads, threads)
+
+    def submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((partial(fn, *args, **kwargs), future))  # type: ignore[arg-type]
+        return future
+
+    def close(self) -> None:
+        """The thread ends after the jobs already submitted."""
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            call, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
