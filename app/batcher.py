@@ -126,6 +126,7 @@ class Batcher:
         max_batch_inputs: int,
         max_attention_values: int,
         max_wait: float,
+        max_queue_wait: float | None = None,
         batch_wait: float = 0.0,
         seconds_per_token: float = 1e-3,
     ) -> None:
@@ -135,6 +136,8 @@ class Batcher:
         self.max_batch_inputs = max_batch_inputs
         self.max_attention_values = max_attention_values
         self.max_wait = max_wait
+        # The work a request may find ahead of it (by default, all of its time).
+        self.max_queue_wait = max_wait if max_queue_wait is None else max_queue_wait
         self.batch_wait = batch_wait
         # Whether the last batch served more than one request: waiting for a fuller batch
         # pays only then. A lone client sends its next request only after its answer, so a
@@ -188,19 +191,21 @@ class Batcher:
 
     # Admission (event loop) -----------------------------------------------------------
     def submit(self, ticket: Ticket, within: float | None = None) -> None:
-        """Queue all of a request's inputs, or none of them (429) when the work ahead would
-        not finish within `within` seconds (what is left of the request's time; at most
-        `max_wait`). An empty queue takes any request."""
+        """Queue all of a request's inputs, or none of them (429) when the work ahead and its
+        own would not finish within `within` seconds (what is left of the request's time; at
+        most `max_wait`), or the work ahead alone is over `max_queue_wait`. An empty queue
+        takes any request."""
         with self._condition:
             if self.crashed is not None:
                 raise BackendError("the batch worker has stopped")
+            busy = self._queued_tokens + self._running_tokens > 0
             limit = self.max_wait if within is None else min(within, self.max_wait)
             wait = self._wait_without_abandoned(ticket.tokens, limit)
-            busy = self._queued_tokens + self._running_tokens > 0
             if busy and wait > limit:
                 raise self._overloaded(
                     wait, limit, f"with this request's {ticket.tokens} tokens it would not"
                 )
+            self._check_ahead()
             self._queue.extend(ticket.items)
             self._queued_tokens += ticket.tokens
             self._set_gauges()
@@ -214,6 +219,20 @@ class Batcher:
             wait = self._wait_without_abandoned(0, limit)
             if wait > limit:
                 raise self._overloaded(wait, limit, "it would not")
+            self._check_ahead()
+
+    def _check_ahead(self) -> None:
+        """429 when more than `max_queue_wait` seconds of work are ahead. Called with the lock
+        held."""
+        ahead = self._wait_without_abandoned(0, self.max_queue_wait)
+        if ahead > self.max_queue_wait:
+            retry_after = max(1, math.ceil(ahead - self.max_queue_wait))
+            raise OverloadedError(
+                f"the queue holds about {ahead:.1f} s of work, more than the "
+                f"{self.max_queue_wait:g} s a request may wait behind others; retry in "
+                f"{retry_after} s",
+                retry_after=retry_after,
+            )
 
     def _wait_without_abandoned(self, tokens: int, limit: float) -> float:
         """The estimated wait; past `limit`, once more without the inputs of requests that

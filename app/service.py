@@ -141,6 +141,7 @@ class EmbeddingService:
             max_batch_inputs=settings.max_batch_inputs,
             max_attention_values=settings.max_attention_values,
             max_wait=settings.request_timeout,
+            max_queue_wait=settings.max_queue_wait,
             batch_wait=settings.batch_wait_ms / 1000,
             seconds_per_token=seconds_per_token,
         )

@@ -92,6 +92,15 @@ class Settings(BaseSettings):
             "only while it is estimated to finish within this time (else 429)."
         ),
     )
+    max_queue_wait: float = Field(
+        5.0,
+        gt=0,
+        description=(
+            "Seconds of work (estimated) a request may find queued ahead of it; past that, "
+            "429. Bounds the latency of accepted requests under overload, and how long the "
+            "backlog takes to clear once the load drops."
+        ),
+    )
     body_timeout: float = Field(
         30.0, gt=0, description="Seconds a client may take to send its body (else 408)."
     )

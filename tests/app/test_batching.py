@@ -175,6 +175,7 @@ def make_batcher(embedder: Embedder, **overrides: float) -> Batcher:
         max_batch_inputs=int(values["max_batch_inputs"]),
         max_attention_values=int(values["max_attention_values"]),
         max_wait=values["max_wait"],
+        max_queue_wait=values.get("max_queue_wait"),
         batch_wait=values.get("batch_wait", 0.0),
     )
 

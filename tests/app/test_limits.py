@@ -184,6 +184,31 @@ def test_queue_bound(tiny_embedder: Embedder) -> None:
         loop.close()
 
 
+def test_the_work_ahead_of_a_request_is_bounded_by_max_queue_wait(tiny_embedder: Embedder) -> None:
+    """Under overload, accepted requests wait at most max_queue_wait behind others, so the
+    backlog clears that fast once the load drops; a request's own work does not count."""
+    batcher = make_batcher(tiny_embedder, max_wait=30.0, max_queue_wait=1.0)
+    batcher._seconds, batcher._tokens = 1 / 64, 1.0
+    loop = asyncio.new_event_loop()
+    try:
+
+        def ticket(tokens: int) -> Ticket:
+            encoded = [Encoded(list(range(tokens)), [], None, [], False)]
+            return Ticket(encoded, Wants(), loop.create_future())
+
+        batcher.submit(ticket(64))  # 1.0 s ahead of the next one: at the bound
+        batcher.submit(ticket(640))  # its own 10 s are within its 30 s
+        with pytest.raises(OverloadedError) as refused:
+            batcher.submit(ticket(1))
+        assert "11.0 s of work, more than the 1 s" in refused.value.message
+        assert refused.value.retry_after == 10
+        with pytest.raises(OverloadedError):
+            batcher.check_room(30.0)  # refused before tokenizing too
+        assert batcher.depth == 2
+    finally:
+        loop.close()
+
+
 def test_the_queue_bound_counts_the_time_a_request_has_left(tiny_embedder: Embedder) -> None:
     """A request that spent part of its time (on its body, on the tokenizer) is admitted
     only if the work ahead fits in what is left; a full queue refuses before tokenizing."""
@@ -232,7 +257,9 @@ def test_inputs_nobody_waits_for_do_not_fill_the_queue(tiny_embedder: Embedder) 
 async def test_queue_bound_over_http(tiny_checkpoint: Path) -> None:
     """The same bound through the routes: at 30/64 s a token, 64 tokens fill the 30 s; one
     token more than 63 does not fit in what is left of a request's 30 s."""
-    settings = make_settings(tiny_checkpoint, request_timeout=30.0, max_batch_inputs=1)
+    settings = make_settings(
+        tiny_checkpoint, request_timeout=30.0, max_queue_wait=30.0, max_batch_inputs=1
+    )
     async with running_app(settings) as (app, client):
         service = service_of(app)
         batcher = service.batcher
