@@ -118,7 +118,8 @@
     state.info = info;
     const rows = [
       ['Model', info.model_id],
-      ['Type', info.model_type],
+      ['Task', info.task],
+      ['Architecture', info.architecture],
       ['Dimensions', info.dimensions],
       ['Max input tokens', info.max_input_tokens],
       ['Pooling', info.pooling],

@@ -109,6 +109,11 @@ def test_similarity_tokens_and_attention_match_the_api(
     page.keyboard.press("ArrowRight")
     assert page.inner_text("#attention-readout").endswith(f": {values[1, 2]:.4f}")
 
+    # The model panel shows /info's facts as text.
+    panel = page.inner_text("#info")
+    assert "Task\nembed" in panel.replace("\t", "\n") and "bert" in panel
+    assert "[object" not in panel
+
     page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
     assert recorded.csp_violations() == []
     assert recorded.requests_leaving_loopback() == []
