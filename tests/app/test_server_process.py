@@ -117,7 +117,9 @@ async def test_real_server_serves_the_default_model(
 
 
 async def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
-    server = ServerProcess(tmp_path, "--shutdown-grace", "60", "--max-batch-inputs", "8")
+    server = ServerProcess(
+        tmp_path, "--shutdown-grace", "60", "--max-batch-inputs", "8", "--max-queue-wait", "60"
+    )
     try:
         server.wait_ready()
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
