@@ -93,7 +93,7 @@ class Settings(BaseSettings):
         ),
     )
     max_queue_wait: float = Field(
-        5.0,
+        10.0,
         gt=0,
         description=(
             "Seconds of work (estimated) a request may find queued ahead of it; past that, "
