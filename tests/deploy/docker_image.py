@@ -349,12 +349,13 @@ def metric(url: str, name: str) -> float:
 
 
 def stop_during_a_request(
-    engine: Engine, url: str, stop: Sequence[str], container: str
+    engine: Engine, url: str, stop: Sequence[str], container: str, count: int = 128
 ) -> tuple[int, list[str], float]:
-    """Send a request that takes a few forward passes, stop the container while its inputs are
-    queued; the request must still be answered. Returns the exit code, the drain log lines and
-    how long the stop took."""
-    inputs = [f"{n} {LONG_TEXT}" for n in range(128)]  # about 256 tokens each: several batches
+    """Send a request of `count` inputs of about 256 tokens (several forward passes), stop the
+    container while its inputs are queued; the request must still be answered and must still
+    be running when the drain starts. Returns the exit code, the drain log lines and how long
+    the stop took."""
+    inputs = [f"{n} {LONG_TEXT}" for n in range(count)]
     answer: dict[str, httpx.Response] = {}
 
     def send() -> None:
@@ -439,8 +440,10 @@ def compose_smoke(engine: Engine) -> str:
         wait_healthy(engine, container)
         url = f"http://127.0.0.1:{port}"
         assert httpx.post(f"{url}/embed", json={"inputs": "hi"}, timeout=60).status_code == 200
+        # Compose sets a 5 s drain delay: the request must outlast it (about 8 s of work in
+        # bfloat16 on 2 cores).
         code, _, stopped_in = stop_during_a_request(
-            engine, url, [*base, "stop", "embed"], container
+            engine, url, [*base, "stop", "embed"], container, count=512
         )
         assert code == 0, code
     finally:
