@@ -11,7 +11,7 @@ Rounds alternate the two, and each figure keeps its best round: this machine's s
 by tens of percent from one minute to the next. Each server figure comes with its ratio to
 the ceiling and the server's peak RSS; all is printed and written to bench/results/server.json.
 Usage: python -m bench.server [--dtypes float32 bfloat16] [--seconds 10] [--rounds 2]
-                              [-- SERVER FLAGS]
+                              [--device cpu|cuda] [-- SERVER FLAGS]
 """
 
 from __future__ import annotations
@@ -52,14 +52,14 @@ LOADS = (
 )
 
 
-def ceiling(dtype: str, threads: int) -> dict[str, float]:
+def ceiling(dtype: str, threads: int, device: str) -> dict[str, float]:
     """Run in a child process: texts/s for short and long, single-call p50, peak RSS."""
     import torch
 
     from model import Embedder
 
     torch.set_num_threads(threads)
-    embedder = Embedder.load(device="cpu", dtype=dtype)
+    embedder = Embedder.load(device=device, dtype=dtype)
     figures: dict[str, float] = {}
     for name, texts in (("short", short_sentences(2048)), ("long", long_passages(256))):
         ordered = sorted(texts, key=len)
@@ -80,7 +80,7 @@ def ceiling(dtype: str, threads: int) -> dict[str, float]:
     return figures
 
 
-def measure_ceiling(dtype: str, threads: int) -> dict[str, float]:
+def measure_ceiling(dtype: str, threads: int, device: str) -> dict[str, float]:
     command = [
         sys.executable,
         "-m",
@@ -89,6 +89,8 @@ def measure_ceiling(dtype: str, threads: int) -> dict[str, float]:
         dtype,
         "--threads",
         str(threads),
+        "--device",
+        device,
     ]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     figures: dict[str, float] = json.loads(output.strip().splitlines()[-1])
@@ -118,7 +120,8 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
     ceilings = []
     results: dict[str, list[WrkResult]] = {load.name: [] for load in LOADS}
     rss: dict[str, float] = {}
-    flags = ["--device", "cpu", "--dtype", dtype, "--threads", str(args.threads), *args.server]
+    flags = ["--device", args.device, "--dtype", dtype, "--threads", str(args.threads)]
+    flags += args.server
     server = Server(flags)
     try:
         server.wait_ready()
@@ -126,7 +129,7 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
         for load in LOADS:  # warm-up: the first seconds of a fresh server are slower
             run_load(server, load, 2)
         for _ in range(args.rounds):
-            ceilings.append(measure_ceiling(dtype, args.threads))
+            ceilings.append(measure_ceiling(dtype, args.threads, args.device))
             for load in LOADS:
                 results[load.name].append(run_load(server, load, args.seconds))
                 rss[load.name] = server.peak_rss_mib()
@@ -176,11 +179,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU figures")
     parser.add_argument("--ceiling-of", help=argparse.SUPPRESS)
     parser.add_argument("server", nargs="*", help="after --, flags for the server")
     args = parser.parse_args()
     if args.ceiling_of:
-        print(json.dumps(ceiling(args.ceiling_of, args.threads)))
+        print(json.dumps(ceiling(args.ceiling_of, args.threads, args.device)))
         return
     report = {dtype: benchmark(dtype, args) for dtype in args.dtypes}
     RESULTS.parent.mkdir(exist_ok=True)
