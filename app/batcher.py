@@ -116,6 +116,12 @@ class Ticket:
 Delivery = tuple[asyncio.Future[list[ItemResult]], list[ItemResult] | ServiceError]
 
 
+def _overloaded(excess: float, reason: str) -> OverloadedError:
+    """Retry-After: once `excess` seconds of the queue's work have drained."""
+    retry_after = max(1, math.ceil(excess))
+    return OverloadedError(f"{reason}; retry in {retry_after} s", retry_after=retry_after)
+
+
 class Batcher:
     def __init__(
         self,
@@ -191,47 +197,44 @@ class Batcher:
 
     # Admission (event loop) -----------------------------------------------------------
     def submit(self, ticket: Ticket, within: float | None = None) -> None:
-        """Queue all of a request's inputs, or none of them (429) when the work ahead and its
-        own would not finish within `within` seconds (what is left of the request's time; at
-        most `max_wait`), or the work ahead alone is over `max_queue_wait`. An empty queue
-        takes any request."""
+        """Queue all of a request's inputs, or none of them (429, see `_check_room`);
+        `within` is what is left of the request's time (at most `max_wait`)."""
         with self._condition:
             if self.crashed is not None:
                 raise BackendError("the batch worker has stopped")
-            busy = self._queued_tokens + self._running_tokens > 0
-            limit = self.max_wait if within is None else min(within, self.max_wait)
-            wait = self._wait_without_abandoned(ticket.tokens, limit)
-            if busy and wait > limit:
-                raise self._overloaded(
-                    wait, limit, f"with this request's {ticket.tokens} tokens it would not"
-                )
-            self._check_ahead()
+            self._check_room(ticket.tokens, self.max_wait if within is None else within)
             self._queue.extend(ticket.items)
             self._queued_tokens += ticket.tokens
             self._set_gauges()
             self._condition.notify()
 
     def check_room(self, within: float) -> None:
-        """429 at once when the work already queued would not finish within `within`
-        seconds: called before a request is tokenized, so that refusing it costs nothing."""
+        """The same bounds before a request is tokenized, so that refusing it costs nothing."""
         with self._condition:
-            limit = min(within, self.max_wait)
-            wait = self._wait_without_abandoned(0, limit)
-            if wait > limit:
-                raise self._overloaded(wait, limit, "it would not")
-            self._check_ahead()
+            self._check_room(0, within)
 
-    def _check_ahead(self) -> None:
-        """429 when more than `max_queue_wait` seconds of work are ahead. Called with the lock
-        held."""
+    def _check_room(self, tokens: int, within: float) -> None:
+        """429 when the work queued and running, with `tokens` more, would not finish within
+        `within` seconds (at most `max_wait`), or when that work alone is over
+        `max_queue_wait`. An empty queue takes any request. Called with the lock held."""
+        if self._queued_tokens + self._running_tokens == 0:
+            return
+        limit = min(within, self.max_wait)
+        wait = self._wait_without_abandoned(tokens, limit)
+        if wait > limit:
+            with_own = f", with this request's {tokens} tokens," if tokens else ""
+            raise _overloaded(
+                wait - self.max_wait,
+                f"the queue holds about {self.estimated_wait():.1f} s of work{with_own} and "
+                f"would not finish within the {limit:.1f} s left of the request's "
+                f"{self.max_wait:g} s",
+            )
         ahead = self._wait_without_abandoned(0, self.max_queue_wait)
         if ahead > self.max_queue_wait:
-            retry_after = max(1, math.ceil(ahead - self.max_queue_wait))
-            raise OverloadedError(
+            raise _overloaded(
+                ahead - self.max_queue_wait,
                 f"the queue holds about {ahead:.1f} s of work, more than the "
-                f"{self.max_queue_wait:g} s a request may wait behind others; retry in "
-                f"{retry_after} s",
-                retry_after=retry_after,
+                f"{self.max_queue_wait:g} s a request may wait behind others",
             )
 
     def _wait_without_abandoned(self, tokens: int, limit: float) -> float:
@@ -243,16 +246,6 @@ class Batcher:
             self._drop_abandoned()
             wait = self.estimated_wait(tokens)
         return wait
-
-    def _overloaded(self, wait: float, limit: float, what: str) -> OverloadedError:
-        """Retry-After: when enough of the queue has drained for a request's full time."""
-        retry_after = max(1, math.ceil(wait - self.max_wait))
-        return OverloadedError(
-            f"the queue holds about {self.estimated_wait():.1f} s of work; {what} finish "
-            f"within the {limit:.1f} s left of the request's {self.max_wait:g} s; retry in "
-            f"{retry_after} s",
-            retry_after=retry_after,
-        )
 
     def _set_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self._queue))
