@@ -78,6 +78,14 @@ class GatedForward:
             raise self.error()
         return self.original(batch, **kwargs)
 
+    async def hold(self, client: httpx.AsyncClient, text: str = "hello") -> asyncio.Task[Any]:
+        """Close the gate and send one /embed of `text`: returns once its batch is held in
+        the forward pass, with the task that will get its response."""
+        self.gate.clear()
+        held = asyncio.create_task(client.post("/embed", json={"inputs": text}))
+        await asyncio.to_thread(self.entered.wait, 10)
+        return held
+
 
 async def wait_until(condition: Callable[[], bool], within: float = 10.0) -> None:
     for _ in range(int(within / 0.01)):

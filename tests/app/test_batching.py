@@ -63,9 +63,7 @@ async def test_queue_bounded_in_work_answers_429_and_loses_nothing(tiny_checkpoi
         batcher = service_of(app).batcher
         assert batcher is not None
         gate = GatedForward(service_of(app))
-        gate.gate.clear()
-        first = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
-        await asyncio.to_thread(gate.entered.wait, 10)  # the worker holds "hello" (3 tokens)
+        first = await gate.hold(client)  # the worker holds "hello" (3 tokens)
         batcher._seconds, batcher._tokens = 0.01, 1.0  # a known pace: 0.01 s per token
         queued = [
             asyncio.create_task(client.post("/embed", json={"inputs": f"fox {i}"}))
@@ -111,9 +109,7 @@ async def test_timed_out_input_is_dropped_before_it_runs(tiny_checkpoint: Path) 
     settings = make_settings(tiny_checkpoint, request_timeout=0.3, max_batch_inputs=1)
     async with running_app(settings) as (app, client):
         gate = GatedForward(service_of(app))
-        gate.gate.clear()
-        held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        held = await gate.hold(client)
         late = await client.post("/embed", json={"inputs": "fox"})
         gate.gate.set()
         await held
@@ -129,9 +125,7 @@ async def test_disconnected_client_is_dropped_before_it_runs(tiny_checkpoint: Pa
     async with running_app(make_settings(tiny_checkpoint, max_batch_inputs=1)) as (app, client):
         service = service_of(app)
         gate = GatedForward(service)
-        gate.gate.clear()
-        held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        held = await gate.hold(client)
 
         async def gone() -> None:
             await asyncio.sleep(0.05)
@@ -246,9 +240,7 @@ async def test_a_lone_input_does_not_wait_out_the_batch_wait(tiny_embedder: Embe
 async def test_live_and_metrics_answer_while_a_batch_runs(tiny_checkpoint: Path) -> None:
     async with running_app(make_settings(tiny_checkpoint)) as (app, client):
         gate = GatedForward(service_of(app))
-        gate.gate.clear()
-        held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
-        await asyncio.to_thread(gate.entered.wait, 10)  # the worker is inside a forward pass
+        held = await gate.hold(client)  # the worker is inside a forward pass
         live = await asyncio.wait_for(client.get("/live"), timeout=5)
         metrics = await asyncio.wait_for(client.get("/metrics"), timeout=5)
         assert not held.done()

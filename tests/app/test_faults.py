@@ -86,9 +86,7 @@ async def test_a_dead_worker_fails_liveness_and_what_waits(
         batcher = service.batcher
         assert batcher is not None
         gate = GatedForward(service)
-        gate.gate.clear()
-        running = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        running = await gate.hold(client)
         queued = asyncio.create_task(client.post("/embed", json={"inputs": "world"}))
         await wait_until(lambda: batcher.depth == 1)
         assert (await client.get("/live")).status_code == 200
@@ -122,9 +120,7 @@ async def test_out_of_memory_splits_the_batch_down_to_the_culprit(tiny_checkpoin
         gate.error = lambda: torch.OutOfMemoryError("injected: CUDA out of memory")
         # Any batch holding "fox" runs out of memory, as a too-long input would.
         gate.fail_when = lambda batch: any(FOX in ids for ids in batch)
-        gate.gate.clear()
-        held = asyncio.create_task(client.post("/embed", json={"inputs": "dog"}))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        held = await gate.hold(client, "dog")
         texts = ["hello", "world", "fox", "quick"]
         tasks = [asyncio.create_task(client.post("/embed", json={"inputs": t})) for t in texts]
         await wait_until(lambda: batcher.depth == len(texts))
@@ -186,9 +182,7 @@ async def test_inputs_dropped_for_gone_clients_leave_the_queue_gauges_at_zero(
         batcher = service.batcher
         assert batcher is not None
         gate = GatedForward(service)
-        gate.gate.clear()
-        held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        held = await gate.hold(client)
 
         async def gone() -> None:
             await asyncio.sleep(0.05)

@@ -85,9 +85,7 @@ async def test_drain_gives_up_after_the_grace_period(tiny_checkpoint: Path) -> N
     async with running_app(make_settings(tiny_checkpoint)) as (app, client):
         service = service_of(app)
         gate = GatedForward(service)
-        gate.gate.clear()
-        held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        held = await gate.hold(client)
         service.begin_drain()
         assert await service.wait_idle(0.1) is False
         gate.gate.set()

@@ -265,9 +265,7 @@ async def test_queue_bound_over_http(tiny_checkpoint: Path) -> None:
         batcher = service.batcher
         assert batcher is not None
         gate = GatedForward(service)
-        gate.gate.clear()
-        held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
-        await asyncio.to_thread(gate.entered.wait, 10)  # 3 tokens running
+        held = await gate.hold(client)  # 3 tokens running
         batcher._seconds, batcher._tokens = 30 / 64, 1.0
         # 3 running + 30 + 30 queued = 63 tokens: 29.5 s, within the time the request has
         # left (its 30 s, less the milliseconds it took to get here).
@@ -288,9 +286,7 @@ async def test_request_timeout(tiny_checkpoint: Path) -> None:
     settings = make_settings(tiny_checkpoint, request_timeout=3.0, max_batch_inputs=1)
     async with running_app(settings) as (app, client):
         gate = GatedForward(service_of(app))
-        gate.gate.clear()
-        within = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        within = await gate.hold(client)
         gate.gate.set()  # released well within the 3 s
         answered = await within
         gate.gate.clear()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -31,9 +30,7 @@ async def test_requests_in_progress_are_bounded_but_probes_are_not(tiny_checkpoi
     settings = make_settings(tiny_checkpoint, max_concurrent_requests=1)
     async with running_app(settings) as (app, client):
         gate = GatedForward(service_of(app))
-        gate.gate.clear()
-        held = asyncio.create_task(client.post("/embed", json={"inputs": "hello"}))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        held = await gate.hold(client)
         refused = await client.post("/embed", json={"inputs": "world"})
         probes = [await client.get(path) for path in ("/health", "/live", "/ping", "/metrics")]
         gate.gate.set()
