@@ -138,20 +138,19 @@ async def test_disconnected_client_is_dropped_before_it_runs(tiny_checkpoint: Pa
     assert not any(fox in ids for batch in gate.batches for ids in batch)
 
 
-def make_items(lengths: list[int], wants: Wants | None = None) -> list[WorkItem]:
-    """One ticket per input, as if each came in its own request."""
+def make_ticket(*lengths: int, wants: Wants | None = None) -> Ticket:
+    """One request's ticket, inputs of these token counts; its future is never awaited."""
     loop = asyncio.new_event_loop()
     try:
-        return [
-            Ticket(
-                [Encoded(list(range(n)), [], None, [], False)],
-                wants or Wants(),
-                loop.create_future(),
-            ).items[0]
-            for n in lengths
-        ]
+        encoded = [Encoded(list(range(n)), [], None, [], False) for n in lengths]
+        return Ticket(encoded, wants or Wants(), loop.create_future())
     finally:
         loop.close()
+
+
+def make_items(lengths: list[int], wants: Wants | None = None) -> list[WorkItem]:
+    """One ticket per input, as if each came in its own request."""
+    return [make_ticket(n, wants=wants).items[0] for n in lengths]
 
 
 def make_batcher(embedder: Embedder, **overrides: float) -> Batcher:
@@ -206,20 +205,11 @@ def test_submit_is_all_or_nothing_and_an_empty_queue_takes_anything(
 ) -> None:
     batcher = make_batcher(tiny_embedder, max_wait=1.0)
     batcher._seconds, batcher._tokens = 0.1, 1.0  # 0.1 s per token: 10 tokens fit in 1 s
-    loop = asyncio.new_event_loop()
-    try:
-
-        def ticket(*lengths: int) -> Ticket:
-            encoded = [Encoded(list(range(n)), [], None, [], False) for n in lengths]
-            return Ticket(encoded, Wants(), loop.create_future())
-
-        batcher.submit(ticket(30))  # over the estimate alone, but the queue was empty
-        with pytest.raises(OverloadedError) as caught:
-            batcher.submit(ticket(1, 2))
-        assert caught.value.retry_after == 3  # 33 tokens x 0.1 s, 2.3 s past the 1 s bound
-        assert batcher.depth == 1
-    finally:
-        loop.close()
+    batcher.submit(make_ticket(30))  # over the estimate alone, but the queue was empty
+    with pytest.raises(OverloadedError) as caught:
+        batcher.submit(make_ticket(1, 2))
+    assert caught.value.retry_after == 3  # 33 tokens x 0.1 s, 2.3 s past the 1 s bound
+    assert batcher.depth == 1
 
 
 async def test_a_lone_input_does_not_wait_out_the_batch_wait(tiny_embedder: Embedder) -> None:

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from app.batcher import Ticket, Wants
+from app.batcher import Batcher
 from app.errors import OverloadedError
-from model import Embedder, Encoded
+from model import Embedder
 from tests.app.conftest import GatedForward, make_settings, running_app, service_of, wait_until
-from tests.app.test_batching import make_batcher
+from tests.app.test_batching import make_batcher, make_ticket
 
 pytestmark = pytest.mark.anyio
 HIDDEN = 32  # the tiny model's hidden size
@@ -157,80 +157,56 @@ async def test_attention_values_per_batch(tiny_checkpoint: Path) -> None:
     assert [len(batch) for batch in gate.batches] == [1, 2, 1]
 
 
-def test_queue_bound(tiny_embedder: Embedder) -> None:
-    """At 1/64 s a token (exact in binary) and a 1 s bound, the queue holds 64 tokens of work;
-    the 65th is refused with a Retry-After from the estimate."""
-    batcher = make_batcher(tiny_embedder, max_wait=1.0)
+def paced_batcher(embedder: Embedder, **bounds: float) -> Batcher:
+    """A batcher whose estimate is 1/64 s a token (exact in binary)."""
+    batcher = make_batcher(embedder, **bounds)
     batcher._seconds, batcher._tokens = 1 / 64, 1.0
-    loop = asyncio.new_event_loop()
-    try:
+    return batcher
 
-        def ticket(tokens: int) -> Ticket:
-            return Ticket(
-                [Encoded(list(range(tokens)), [], None, [], False)], Wants(), loop.create_future()
-            )
 
-        batcher.submit(ticket(40))
-        batcher.submit(ticket(24))  # 64 tokens: 1.0 s of work, at the bound
-        with pytest.raises(OverloadedError) as refused:
-            batcher.submit(ticket(1))
-        assert refused.value.retry_after == 1
-        assert batcher.depth == 2
-        # Twice the bound ahead: retry once the excess has drained.
-        with pytest.raises(OverloadedError) as far:
-            batcher.submit(ticket(128))
-        assert far.value.retry_after == 2  # (64 + 128) / 64 s = 3 s, 2 s past the bound
-    finally:
-        loop.close()
+def test_queue_bound(tiny_embedder: Embedder) -> None:
+    """At 1/64 s a token and a 1 s bound, the queue holds 64 tokens of work; the 65th is
+    refused with a Retry-After from the estimate."""
+    batcher = paced_batcher(tiny_embedder, max_wait=1.0)
+    batcher.submit(make_ticket(40))
+    batcher.submit(make_ticket(24))  # 64 tokens: 1.0 s of work, at the bound
+    with pytest.raises(OverloadedError) as refused:
+        batcher.submit(make_ticket(1))
+    assert refused.value.retry_after == 1
+    assert batcher.depth == 2
+    # Twice the bound ahead: retry once the excess has drained.
+    with pytest.raises(OverloadedError) as far:
+        batcher.submit(make_ticket(128))
+    assert far.value.retry_after == 2  # (64 + 128) / 64 s = 3 s, 2 s past the bound
 
 
 def test_the_work_ahead_of_a_request_is_bounded_by_max_queue_wait(tiny_embedder: Embedder) -> None:
     """Under overload, accepted requests wait at most max_queue_wait behind others, so the
     backlog clears that fast once the load drops; a request's own work does not count."""
-    batcher = make_batcher(tiny_embedder, max_wait=30.0, max_queue_wait=1.0)
-    batcher._seconds, batcher._tokens = 1 / 64, 1.0
-    loop = asyncio.new_event_loop()
-    try:
-
-        def ticket(tokens: int) -> Ticket:
-            encoded = [Encoded(list(range(tokens)), [], None, [], False)]
-            return Ticket(encoded, Wants(), loop.create_future())
-
-        batcher.submit(ticket(64))  # 1.0 s ahead of the next one: at the bound
-        batcher.submit(ticket(640))  # its own 10 s are within its 30 s
-        with pytest.raises(OverloadedError) as refused:
-            batcher.submit(ticket(1))
-        assert "11.0 s of work, more than the 1 s" in refused.value.message
-        assert refused.value.retry_after == 10
-        with pytest.raises(OverloadedError):
-            batcher.check_room(30.0)  # refused before tokenizing too
-        assert batcher.depth == 2
-    finally:
-        loop.close()
+    batcher = paced_batcher(tiny_embedder, max_wait=30.0, max_queue_wait=1.0)
+    batcher.submit(make_ticket(64))  # 1.0 s ahead of the next one: at the bound
+    batcher.submit(make_ticket(640))  # its own 10 s are within its 30 s
+    with pytest.raises(OverloadedError) as refused:
+        batcher.submit(make_ticket(1))
+    assert "11.0 s of work, more than the 1 s" in refused.value.message
+    assert refused.value.retry_after == 10
+    with pytest.raises(OverloadedError):
+        batcher.check_room(30.0)  # refused before tokenizing too
+    assert batcher.depth == 2
 
 
 def test_the_queue_bound_counts_the_time_a_request_has_left(tiny_embedder: Embedder) -> None:
     """A request that spent part of its time (on its body, on the tokenizer) is admitted
     only if the work ahead fits in what is left; a full queue refuses before tokenizing."""
-    batcher = make_batcher(tiny_embedder, max_wait=1.0)
-    batcher._seconds, batcher._tokens = 1 / 64, 1.0
-    loop = asyncio.new_event_loop()
-    try:
-
-        def ticket(tokens: int) -> Ticket:
-            encoded = [Encoded(list(range(tokens)), [], None, [], False)]
-            return Ticket(encoded, Wants(), loop.create_future())
-
-        batcher.submit(ticket(31))
-        batcher.submit(ticket(1), within=0.5)  # 32 tokens: 0.5 s, at what is left
-        with pytest.raises(OverloadedError) as refused:
-            batcher.submit(ticket(1), within=0.5)  # 33 tokens: past it
-        assert "0.5 s left" in refused.value.message and refused.value.retry_after == 1
-        batcher.submit(ticket(32))  # with its whole second: 64 tokens, at the bound
-        with pytest.raises(OverloadedError):
-            batcher.submit(ticket(1), within=5.0)  # never past max_wait
-    finally:
-        loop.close()
+    batcher = paced_batcher(tiny_embedder, max_wait=1.0)
+    batcher.submit(make_ticket(31))
+    batcher.submit(make_ticket(1), within=0.5)  # 32 tokens: 0.5 s, at what is left
+    with pytest.raises(OverloadedError) as refused:
+        batcher.submit(make_ticket(1), within=0.5)  # 33 tokens: past it
+    assert "0.5 s left" in refused.value.message and refused.value.retry_after == 1
+    batcher.submit(make_ticket(32))  # with its whole second: 64 tokens, at the bound
+    with pytest.raises(OverloadedError):
+        batcher.submit(make_ticket(1), within=5.0)  # never past max_wait
     batcher.check_room(1.0)  # the queue alone is at the bound, not past it
     with pytest.raises(OverloadedError):
         batcher.check_room(0.9)  # 1 s of work ahead, 0.9 s left: refused untokenized
@@ -239,18 +215,12 @@ def test_the_queue_bound_counts_the_time_a_request_has_left(tiny_embedder: Embed
 def test_inputs_nobody_waits_for_do_not_fill_the_queue(tiny_embedder: Embedder) -> None:
     """Found by bench/soak.py: clients that left while queued made the queue look full, and a
     client that stayed got 429 for work that would never run."""
-    batcher = make_batcher(tiny_embedder, max_wait=1.0)
-    batcher._seconds, batcher._tokens = 1 / 64, 1.0
-    loop = asyncio.new_event_loop()
-    try:
-        encoded = [Encoded(list(range(64)), [], None, [], False)]
-        gone = Ticket(encoded, Wants(), loop.create_future())
-        batcher.submit(gone)  # a whole second of work
-        gone.abandoned = True  # its client disconnected
-        batcher.check_room(0.5)
-        batcher.submit(Ticket(encoded, Wants(), loop.create_future()))
-    finally:
-        loop.close()
+    batcher = paced_batcher(tiny_embedder, max_wait=1.0)
+    gone = make_ticket(64)
+    batcher.submit(gone)  # a whole second of work
+    gone.abandoned = True  # its client disconnected
+    batcher.check_room(0.5)
+    batcher.submit(make_ticket(64))
     assert batcher.depth == 1 and batcher.estimated_wait() == 1.0
 
 
