@@ -419,6 +419,7 @@ class Limits(BaseModel):
     max_attention_values: int
     payload_limit: int
     request_timeout: float
+    max_queue_wait: float
     body_timeout: float
 
 

@@ -14,7 +14,7 @@ from app.errors import UnavailableError
 from app.metrics import Metrics
 from app.responses import JSONResponse
 from app.routes.errors import error_responses
-from app.schemas import ErrorResponse, InfoResponse, StatusResponse
+from app.schemas import ErrorResponse, InfoResponse, Limits, StatusResponse
 from app.tokenization import TOKENIZER_THREADS
 from model import ModelInfo, Task
 
@@ -57,18 +57,7 @@ async def info(service: ServiceDep) -> JSONResponse:
             "do_lower_case": model.do_lower_case,
             "similarity_fn_name": model.similarity_fn_name,
             "auto_truncate": settings.auto_truncate,
-            "limits": {
-                "max_batch_tokens": settings.max_batch_tokens,
-                "max_batch_inputs": settings.max_batch_inputs,
-                "max_inputs_per_request": settings.max_inputs_per_request,
-                "max_input_chars": settings.max_input_chars,
-                "max_request_tokens": settings.max_request_tokens,
-                "max_token_values": settings.max_token_values,
-                "max_attention_values": settings.max_attention_values,
-                "payload_limit": settings.payload_limit,
-                "request_timeout": settings.request_timeout,
-                "body_timeout": settings.body_timeout,
-            },
+            "limits": settings.model_dump(include=set(Limits.model_fields)),
             "version": package_version(),
             # text-embeddings-inference's names, for clients that read them.
             "model_sha": None,

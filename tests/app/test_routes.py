@@ -203,7 +203,7 @@ async def test_encode_returns_everything_asked_for(
 
 
 async def test_operations_routes(tiny_checkpoint: Path) -> None:
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+    async with running_app(make_settings(tiny_checkpoint, max_queue_wait=7.5)) as (_, client):
         info = (await client.get("/info")).json()
         health = await client.get("/health")
         live = await client.get("/live")
@@ -214,6 +214,7 @@ async def test_operations_routes(tiny_checkpoint: Path) -> None:
     assert info["pooling"] == ["mean"] and info["device"] == "cpu" and info["dtype"] == "float32"
     assert info["hidden_size"] == 32 and info["dense"] == [] and info["include_prompt"]
     assert info["limits"]["max_batch_tokens"] > 0 and info["version"]
+    assert info["limits"]["max_queue_wait"] == 7.5
     assert health.json() == {"status": "ok"} and live.json() == {"status": "ok"}
     for name in (
         "embed_requests_total",
