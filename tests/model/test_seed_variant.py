@@ -23,12 +23,8 @@ def copy_into_torch(ours: EncoderStack, theirs: nn.TransformerEncoder) -> None:
         for block, layer in zip(ours.layer, theirs.layers, strict=True):
             assert isinstance(block, EncoderBlock)
             attention = block.attention.self
-            layer.self_attn.in_proj_weight.copy_(
-                torch.cat([attention.query.weight, attention.key.weight, attention.value.weight])
-            )
-            layer.self_attn.in_proj_bias.copy_(
-                torch.cat([attention.query.bias, attention.key.bias, attention.value.bias])
-            )
+            layer.self_attn.in_proj_weight.copy_(attention.qkv.weight)
+            layer.self_attn.in_proj_bias.copy_(attention.qkv.bias)
             layer.self_attn.out_proj.weight.copy_(block.attention.output.dense.weight)
             layer.self_attn.out_proj.bias.copy_(block.attention.output.dense.bias)
             layer.linear1.load_state_dict(block.intermediate.dense.state_dict())
