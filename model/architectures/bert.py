@@ -202,8 +202,9 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.register_state_dict_post_hook(_split_projections)
-        self.register_load_state_dict_pre_hook(_join_projections)
+        # torch leaves both registration methods unannotated.
+        self.register_state_dict_post_hook(_split_projections)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_join_projections)  # type: ignore[no-untyped-call]
 
     def forward(
         self, h: Tensor, layout: TokenLayout, map_heads: tuple[int, ...] | None
