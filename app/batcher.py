@@ -162,6 +162,9 @@ class Batcher:
         self._tokens = 1000.0
         self.crashed: BaseException | None = None
         self._trimmer = Trimmer()
+        # Read when /metrics is scraped, not set on every change: that is twice per request.
+        metrics.queue_depth.set_function(lambda: len(self._queue))
+        metrics.queue_tokens.set_function(lambda: self._queued_tokens)
 
     # State ----------------------------------------------------------------------------
     @property
@@ -205,7 +208,6 @@ class Batcher:
             self._check_room(ticket.tokens, self.max_wait if within is None else within)
             self._queue.extend(ticket.items)
             self._queued_tokens += ticket.tokens
-            self._set_gauges()
             self._condition.notify()
 
     def check_room(self, within: float) -> None:
@@ -246,10 +248,6 @@ class Batcher:
             self._drop_abandoned()
             wait = self.estimated_wait(tokens)
         return wait
-
-    def _set_gauges(self) -> None:
-        self.metrics.queue_depth.set(len(self._queue))
-        self.metrics.queue_tokens.set(self._queued_tokens)
 
     # Worker thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -292,7 +290,6 @@ class Batcher:
             tokens = sum(item.length for item in batch)
             self._queued_tokens -= tokens
             self._running_tokens = tokens
-            self._set_gauges()
             return batch
 
     def _drop_abandoned(self) -> None:
@@ -300,9 +297,6 @@ class Batcher:
         if len(kept) != len(self._queue):
             self._queued_tokens = sum(item.length for item in kept)
             self._queue = kept
-            # Also when nothing is left: the worker then sleeps, and /metrics must not go on
-            # counting what was dropped.
-            self._set_gauges()
 
     def _wait_for_fuller_batch(self) -> None:
         """Clients answered a moment ago come back within milliseconds: while inputs keep

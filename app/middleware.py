@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Container, Mapping
 
+from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import (
@@ -67,6 +68,9 @@ class ServiceMiddleware:
         # Unique per process start, then a counter: cheaper than a uuid4 per request.
         self._id_prefix = uuid.uuid4().hex[:12]
         self._id_counter = itertools.count(1)
+        # The requests counter's child per (route, status): `labels()` takes a lock and builds
+        # a key on every call. Both sets are small (the app's routes and "other", the statuses).
+        self._counters: dict[tuple[str, int], Counter] = {}
 
     def _next_id(self) -> str:
         return f"{self._id_prefix}-{next(self._id_counter)}"
@@ -124,9 +128,16 @@ class ServiceMiddleware:
         finally:
             if admitted:
                 self.active -= 1
-            self.metrics.requests.labels(route, str(status)).inc()
+            self._count(route, status)
             if route != "other":
                 self.metrics.request_seconds.observe(time.perf_counter() - started)
+
+    def _count(self, route: str, status: int) -> None:
+        counter = self._counters.get((route, status))
+        if counter is None:
+            counter = self.metrics.requests.labels(route, str(status))
+            self._counters[route, status] = counter
+        counter.inc()
 
     def _admit(self) -> None:
         if self.active >= self.max_concurrent:

@@ -74,7 +74,9 @@ class EncodeResult:
 
     def vectors(self) -> FloatArray:
         """(N, D) float32, C-contiguous: every input's finished pooled vector."""
-        return np.stack([item.embedding for item in self.items if item.embedding is not None])
+        rows = [item.embedding for item in self.items if item.embedding is not None]
+        # One vector (the most common request) needs no copy: it is a row of its batch's array.
+        return rows[0][None] if len(rows) == 1 else np.stack(rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,11 +254,7 @@ class EmbeddingService:
     def check_task(self, task: Task) -> ModelInfo:
         """424 when the loaded model does not do what a route needs."""
         info = self.check_ready().info
-        if info.task is not task:
-            raise WrongTaskError(
-                f"this route needs {TASK_NAMES[task]} model; the loaded model is "
-                f"{TASK_NAMES[info.task]} model ({info.model_id})"
-            )
+        _require_task(info, task)
         return info
 
     async def encode(
@@ -271,11 +269,11 @@ class EmbeddingService:
         outputs)."""
         started = time.perf_counter()
         deadline = started + self.settings.request_timeout
-        if task is not None:
-            self.check_task(task)
         embedder = self._enter()
         try:
             info = embedder.info
+            if task is not None:
+                _require_task(info, task)
             self.limits.check_inputs(inputs)
             self.limits.check_dimensions(options.dimensions, info)
             attention = self.limits.resolve_attention(options.attention, info)
@@ -381,6 +379,14 @@ class EmbeddingService:
             if watcher is not None:
                 watcher.cancel()
         return results, ticket.queue_seconds, ticket.inference_seconds
+
+
+def _require_task(info: ModelInfo, task: Task) -> None:
+    if info.task is not task:
+        raise WrongTaskError(
+            f"this route needs {TASK_NAMES[task]} model; the loaded model is "
+            f"{TASK_NAMES[info.task]} model ({info.model_id})"
+        )
 
 
 def _on_disconnect(watcher: asyncio.Future[None], ticket: Ticket) -> None:

@@ -73,30 +73,33 @@ class Tokenization:
         truncate = self.auto_truncate if options.truncate is None else options.truncate
         prompt = prompt_of(embedder, options)
 
+        def encode_singles(items: Sequence[RawInput]) -> list[Encoded]:
+            return embedder.tokenizer.encode(
+                items,
+                truncate=truncate,
+                direction=options.direction,
+                add_special_tokens=add_special_tokens,
+                prompt=prompt,
+            )
+
         def encode() -> list[Encoded]:
             singles = {i: item for i, item in enumerate(inputs) if not isinstance(item, tuple)}
+            if len(singles) == len(inputs):  # the usual request: positions are the request's
+                return encode_singles(list(singles.values()))
             pairs = {i: item for i, item in enumerate(inputs) if isinstance(item, tuple)}
             encoded: dict[int, Encoded] = {}
             if singles:
                 done = in_request_order(
-                    list(singles),
-                    lambda: embedder.tokenizer.encode(
-                        list(singles.values()),
-                        truncate=truncate,
-                        direction=options.direction,
-                        add_special_tokens=add_special_tokens,
-                        prompt=prompt,
-                    ),
+                    list(singles), lambda: encode_singles(list(singles.values()))
                 )
                 encoded.update(zip(singles, done, strict=True))
-            if pairs:
-                done = in_request_order(
-                    list(pairs),
-                    lambda: embedder.tokenize_pairs(
-                        list(pairs.values()), truncate=truncate, direction=options.direction
-                    ),
-                )
-                encoded.update(zip(pairs, done, strict=True))
+            done = in_request_order(
+                list(pairs),
+                lambda: embedder.tokenize_pairs(
+                    list(pairs.values()), truncate=truncate, direction=options.direction
+                ),
+            )
+            encoded.update(zip(pairs, done, strict=True))
             return [encoded[i] for i in range(len(inputs))]
 
         started = time.perf_counter()

@@ -211,13 +211,15 @@ class TextTokenizer:
                 # The cut text does not overflow by the margin: tokenize the whole text.
                 [encoding] = _encode(tokenizer, [prompt + text], add_special_tokens)
                 was_cut = False
-            result = self._from_encoding(index, encoding, truncate, was_cut=was_cut)
+            result = self._from_encoding(
+                index, encoding, truncate, was_cut=was_cut, prompt_length=prompt_length
+            )
             if was_cut and direction == "left":
                 # The cut dropped the start of the text: offsets count from the text as sent.
                 result = _shift_offsets(result, len(prompt), len(text) - len(cut[index]))
             if keep_prompt:
                 result = self._cut_keeping_prompt(result, len(prompt))
-            results[index] = replace(result, prompt_length=prompt_length)
+            results[index] = result
         return results
 
     def _cut(self, text: str, direction: Direction) -> str:
@@ -256,7 +258,13 @@ class TextTokenizer:
         return self._prompt_lengths[prompt]
 
     def _from_encoding(
-        self, index: int, encoding: Encoding, truncate: bool, *, was_cut: bool = False
+        self,
+        index: int,
+        encoding: Encoding,
+        truncate: bool,
+        *,
+        was_cut: bool = False,
+        prompt_length: int = 0,
     ) -> Encoded:
         if not truncate and len(encoding.ids) > self.max_length:
             raise InputTooLongError(index, len(encoding.ids), self.max_length, at_least=was_cut)
@@ -266,6 +274,7 @@ class TextTokenizer:
             offsets=encoding.offsets,
             special=[bool(flag) for flag in encoding.special_tokens_mask],
             truncated=bool(encoding.overflowing),
+            prompt_length=prompt_length,
         )
 
     def _cut_keeping_prompt(self, encoded: Encoded, prompt_chars: int) -> Encoded:
@@ -294,6 +303,7 @@ class TextTokenizer:
             offsets=[encoded.offsets[i] for i in keep],
             special=[encoded.special[i] for i in keep],
             truncated=True,
+            prompt_length=encoded.prompt_length,
         )
 
     def _from_ids(
