@@ -185,11 +185,11 @@ class Batcher:
         return backlog * self.seconds_per_token
 
     # Lifecycle ------------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop, compute: ComputeThread | None = None) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, compute: ComputeThread) -> None:
         """Run the worker loop on `compute`, the thread that loaded the model (see
-        app/compute.py), or on a thread of its own."""
+        app/compute.py); it holds that thread until `stop`."""
         self._loop = loop
-        self._worker = (compute or ComputeThread()).submit(self._run)
+        self._worker = compute.submit(self._run)
 
     def stop(self, timeout: float = 2.0) -> None:
         with self._condition:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from app.batcher import Batcher, Ticket, Wants, WorkItem
+from app.compute import ComputeThread
 from app.errors import ClientDisconnectedError, OverloadedError
 from app.metrics import Metrics
 from app.params import EncodeOptions
@@ -216,7 +217,8 @@ async def test_a_lone_input_does_not_wait_out_the_batch_wait(tiny_embedder: Embe
     """Waiting for a fuller batch stops as soon as inputs stop arriving."""
     batcher = make_batcher(tiny_embedder, max_batch_inputs=8, batch_wait=30.0)
     loop = asyncio.get_running_loop()
-    batcher.start(loop)
+    compute = ComputeThread()
+    batcher.start(loop, compute)
     try:
         ticket = Ticket(tiny_embedder.tokenize(["hello"]), Wants(), loop.create_future())
         batcher.submit(ticket)
@@ -225,6 +227,7 @@ async def test_a_lone_input_does_not_wait_out_the_batch_wait(tiny_embedder: Embe
         assert result.embedding.shape == (tiny_embedder.info.dimensions,)
     finally:
         batcher.stop()
+        compute.close()
 
 
 async def test_live_and_metrics_answer_while_a_batch_runs(tiny_checkpoint: Path) -> None:
