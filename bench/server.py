@@ -126,7 +126,7 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
     info: dict[str, object] = {}
     for _ in range(args.rounds):
         # The ceiling runs alone; then a fresh server: one process's speed is a draw of its
-        # own (the same code's 1 x 1 p50 was 4.7 ms in one process and 6.2 ms in the next).
+        # own (the same code's 1 x 1 p50 was 6.20 ms in one process, 4.76 ms in the next).
         ceilings.append(measure_ceiling(dtype, args.threads, args.device))
         server = Server(flags)
         try:
