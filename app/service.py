@@ -126,6 +126,7 @@ class EmbeddingService:
                     dtype=settings.dtype,
                     allow_download=settings.allow_download,
                     max_input_tokens=settings.max_input_tokens,
+                    cuda_graphs=settings.cuda_graphs,
                 )
             )
             seconds_per_token = await asyncio.wrap_future(compute.submit(self._warm_up, embedder))
@@ -165,6 +166,9 @@ class EmbeddingService:
         the second."""
         batch = warm_up_batch(embedder)
         embedder.forward(batch, token_embeddings=True)
+        started = time.perf_counter()
+        if graphs := embedder.capture_graphs():
+            log.info("%d CUDA graphs captured in %.1f s", graphs, time.perf_counter() - started)
         started = time.perf_counter()
         embedder.forward(batch)
         return (time.perf_counter() - started) / sum(len(e.ids) for e in batch)

@@ -81,6 +81,13 @@ class Settings(BaseSettings):
     max_input_tokens: int | None = Field(
         None, ge=1, description="Tokens per input; default and ceiling: the model's own limit."
     )
+    cuda_graphs: bool = Field(
+        True,
+        description=(
+            "On a GPU, run embedding batches of up to 4,096 padded tokens as CUDA graphs "
+            "captured at start-up (one replay instead of a launch per kernel); off: eagerly."
+        ),
+    )
     auto_truncate: bool = Field(
         True, description="Truncate long inputs when a request does not say (else 422)."
     )

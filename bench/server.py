@@ -61,6 +61,7 @@ def ceiling(dtype: str, threads: int, device: str) -> dict[str, float]:
 
     torch.set_num_threads(threads)
     embedder = Embedder.load(device=device, dtype=dtype)
+    embedder.capture_graphs()  # as the server does at start-up (none on the CPU)
     figures: dict[str, float] = {}
     for name, texts in (("short", short_sentences(2048)), ("long", long_passages(256))):
         ordered = sorted(texts, key=len)

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from model.architectures import Encoder
 from model.attention import MapRequest
+from model.cuda_graphs import GraphedForward, IntGrid, padded_batch
 from model.device import DtypeChoice, resolve_device, resolve_dtype
 from model.errors import PromptError
 from model.heads import Head
@@ -62,12 +63,19 @@ class Embedder:
         head: EmbeddingPipeline | Head,
         tokenizer: TextTokenizer,
         info: ModelInfo,
+        *,
+        cuda_graphs: bool = True,
     ) -> None:
         self.network = network
         self.head = head
         self.tokenizer = tokenizer
         self.info = info
         self.device = next(network.parameters()).device
+        # Embeddings on a GPU run as captured graphs where the batch is small enough
+        # (model/cuda_graphs.py); the other heads and all CPU work run eagerly.
+        self.graphs: GraphedForward | None = None
+        if cuda_graphs and self.device.type == "cuda" and isinstance(head, EmbeddingPipeline):
+            self.graphs = GraphedForward(self.pooled_forward, self.device, info.max_input_tokens)
 
     @classmethod
     def load(
@@ -79,6 +87,7 @@ class Embedder:
         allow_download: bool = False,
         max_input_tokens: int | None = None,
         task: str = "auto",
+        cuda_graphs: bool = True,
     ) -> Embedder:
         folder = resolve_model_dir(model_id, allow_download=allow_download)
         target = resolve_device(device)
@@ -89,6 +98,7 @@ class Embedder:
             model_id=model_id,
             max_input_tokens=max_input_tokens,
             task=task,
+            cuda_graphs=cuda_graphs,
         )
 
     @classmethod
@@ -101,9 +111,11 @@ class Embedder:
         model_id: str | None = None,
         max_input_tokens: int | None = None,
         task: str = "auto",
+        cuda_graphs: bool = True,
     ) -> Embedder:
         """`task`: "auto" serves what the folder declares (model/folder.py), or embed,
-        classify or sparse; `max_input_tokens` can only lower the model's own limit."""
+        classify or sparse; `max_input_tokens` can only lower the model's own limit;
+        `cuda_graphs` off runs every forward pass on a GPU eagerly."""
         choice = dtype if isinstance(dtype, DtypeChoice) else DtypeChoice(dtype, "asked for")
         loaded = load_model(
             folder,
@@ -113,7 +125,9 @@ class Embedder:
             model_id=model_id,
             max_input_tokens=max_input_tokens,
         )
-        return cls(loaded.network, loaded.head, loaded.tokenizer, loaded.info)
+        return cls(
+            loaded.network, loaded.head, loaded.tokenizer, loaded.info, cuda_graphs=cuda_graphs
+        )
 
     def prompt(self, name: str | None) -> str:
         """The text a prompt name stands for: None is the model's default prompt (if any),
@@ -170,25 +184,28 @@ class Embedder:
         ids = [item.ids if isinstance(item, Encoded) else list(item) for item in batch]
         lengths = np.array([len(row) for row in ids], dtype=np.int64)
         width = int(lengths.max(initial=0))
-        grid = np.full((len(ids), width), self.network.config.pad_token_id, dtype=np.int64)
-        for row, sequence in enumerate(ids):
-            grid[row, : len(sequence)] = sequence
-        mask = np.arange(width) < lengths[:, None]
+        prompts = [item.prompt_length if isinstance(item, Encoded) else 0 for item in batch]
+        pad_id = self.network.config.pad_token_id
         # A model with one token type takes none (transformers' tokenizers for RoBERTa and
         # XLM-R do not return them), whatever the pair template numbers.
         type_ids = _token_types(batch, width) if self.network.config.type_vocab_size > 1 else None
-        prompt_lengths = torch.tensor(
-            [item.prompt_length if isinstance(item, Encoded) else 0 for item in batch]
-        )
-        input_ids = torch.from_numpy(grid).to(self.device, non_blocking=True)
-        attention_mask = torch.from_numpy(mask.astype(np.int64)).to(self.device)
+        plain = type_ids is None and attention is None and not token_embeddings
+        if self.graphs is not None and plain:
+            shape = self.graphs.bucket(len(ids), width)
+            if shape is not None:
+                with torch.inference_mode():
+                    vectors = self.graphs(*padded_batch(ids, prompts, shape, pad_id))
+                    return BatchOutput(vectors[: len(ids)].cpu(), None, None)
+        grid, mask, prompt_lengths = padded_batch(ids, prompts, (len(ids), width), pad_id)
+        input_ids = _on(grid, self.device)
+        attention_mask = _on(mask, self.device)
         maps = MapRequest(frozenset(attention.layers), attention.heads) if attention else None
         with torch.inference_mode():
             types = type_ids.to(self.device) if type_ids is not None else None
             out = self.network(input_ids, attention_mask, types, maps)
             if isinstance(self.head, EmbeddingPipeline):
-                prompts = prompt_lengths.to(self.device)
-                pooled = self.head(out.hidden, attention_mask, prompts).cpu()
+                prompt_tensor = _on(prompt_lengths, self.device)
+                pooled = self.head(out.hidden, attention_mask, prompt_tensor).cpu()
             else:
                 pooled = self.head(out.hidden, attention_mask).cpu()
             tokens = None
@@ -199,6 +216,22 @@ class Embedder:
             if attention is not None:
                 attentions = _per_input_maps(out.maps, lengths, attention.mean)
         return BatchOutput(pooled, tokens, attentions)
+
+    def pooled_forward(
+        self, input_ids: Tensor, attention_mask: Tensor, prompt_lengths: Tensor
+    ) -> Tensor:
+        """An embedding model's forward pass, ids to pooled vectors: what the graphs capture."""
+        assert isinstance(self.head, EmbeddingPipeline), "graphs are made for embeddings only"
+        hidden = self.network(input_ids, attention_mask).hidden
+        vectors: Tensor = self.head(hidden, attention_mask, prompt_lengths)
+        return vectors
+
+    def capture_graphs(self) -> int:
+        """Capture the CUDA graphs now, not on requests' time; how many (0 without them)."""
+        if self.graphs is None:
+            return 0
+        with torch.inference_mode():
+            return self.graphs.capture_all()
 
     def embed(
         self,
@@ -212,6 +245,10 @@ class Embedder:
         pooled = self.forward(encoded).pooled.numpy()
         done = finish(pooled, self.info.normalize if normalize is None else normalize)
         return torch.from_numpy(done)
+
+
+def _on(array: IntGrid, device: torch.device) -> Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)
 
 
 def _token_types(batch: Sequence[ModelInput], width: int) -> Tensor | None:

@@ -4,6 +4,11 @@ When padding is a large share of a batch, the position-wise layers (projections,
 feed-forward, LayerNorm: most of the FLOPs) run on the N real tokens, packed as (N, D), and
 only attention sees the padded (B, T) grid. When a batch is mostly padding-free, gathering
 and scattering would cost more than it saves, and everything runs on the grid.
+
+On a GPU the layers always run on the grid: padded rows cost the GPU little, while packing
+adds kernel launches and reads the mask back to the CPU, which waits for the GPU to get there
+(on an H100 in float16, batches of 32: short sentences 4.48 against 2.59 ms per forward pass,
+long passages 39.1 against 4.8 ms per `Embedder.forward` call, packing on against off).
 """
 
 from __future__ import annotations
@@ -35,9 +40,12 @@ class TokenLayout:
     @classmethod
     def from_mask(cls, attention_mask: Tensor) -> TokenLayout:
         batch, width = attention_mask.shape
-        flat = attention_mask.reshape(-1).bool()
-        padding = 1 - int(flat.sum()) / max(flat.numel(), 1)
-        index = flat.nonzero().squeeze(1) if padding >= PACKING_MIN_PADDING else None
+        index = None
+        if attention_mask.device.type == "cpu":
+            flat = attention_mask.reshape(-1).bool()
+            padding = 1 - int(flat.sum()) / max(flat.numel(), 1)
+            if padding >= PACKING_MIN_PADDING:
+                index = flat.nonzero().squeeze(1)
         return cls(batch, width, index, key_padding_mask(attention_mask))
 
     def pack(self, x: Tensor) -> Tensor:

@@ -45,10 +45,12 @@ class Pooling:
     def __call__(self, hidden: Tensor, attention_mask: Tensor, prompt_lengths: Tensor) -> Tensor:
         """(B, T, D) states, (B, T) right-padded 1/0 mask, (B,) prompt lengths -> (B, m x D)."""
         hidden = hidden.float()
-        mask = attention_mask.clone()
+        mask = attention_mask
         if not self.include_prompt:
+            # Arithmetic, not a boolean index: that reads the mask back to the CPU, which a
+            # CUDA graph cannot capture.
             positions = torch.arange(mask.shape[1], device=mask.device)
-            mask[positions < prompt_lengths.unsqueeze(1)] = 0
+            mask = mask * (positions >= prompt_lengths.unsqueeze(1))
         weights = mask.unsqueeze(-1).float()  # (B, T, 1)
         count = weights.sum(dim=1).clamp(min=1e-9)  # (B, 1)
         pooled = [self._pool(mode, hidden, mask, weights, count) for mode in self.modes]

@@ -98,3 +98,13 @@ def test_chunked_feed_forward_matches_whole(
     assert whole.token_embeddings is not None and chunked.token_embeddings is not None
     for a, b in zip(whole.token_embeddings, chunked.token_embeddings, strict=True):
         assert (a - b).abs().max() <= TOLERANCE
+
+
+def test_packing_is_decided_on_the_cpu_only() -> None:
+    """Off the CPU the layers run on the grid, without reading the mask back (a device sync):
+    a mask on the meta device has no values to read, so packing would fail on it."""
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
+    assert packing.TokenLayout.from_mask(mask).index is not None  # 62% padding, on the CPU
+    on_device = packing.TokenLayout.from_mask(mask.to("meta"))
+    assert on_device.index is None
+    assert on_device.key_mask.shape == (2, 1, 1, 4)
