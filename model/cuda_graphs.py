@@ -68,8 +68,10 @@ def bucket(batch: int, width: int, max_width: int) -> tuple[int, int] | None:
 
 
 def all_buckets(max_width: int) -> list[tuple[int, int]]:
+    """Every shape `bucket` can choose, the most padded tokens first."""
     shapes = itertools.product(BATCH_BUCKETS, [*WIDTH_BUCKETS, max_width])
-    return sorted({s for s in shapes if bucket(*s, max_width) == s}, reverse=True)
+    kept = {s for s in shapes if bucket(*s, max_width) == s}
+    return sorted(kept, key=lambda shape: shape[0] * shape[1], reverse=True)
 
 
 @dataclass(frozen=True)
