@@ -162,8 +162,8 @@ class EmbeddingService:
 
     @staticmethod
     def _warm_up(embedder: Embedder) -> float:
-        """Run a batch twice (the first pays one-time costs); return the seconds per token of
-        the second."""
+        """Run a batch eagerly (paying one-time costs), capture the CUDA graphs (on a GPU),
+        then time the batch again; return its seconds per token."""
         batch = warm_up_batch(embedder)
         embedder.forward(batch, token_embeddings=True)
         started = time.perf_counter()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from model import Embedder
+from model.cuda_graphs import all_buckets
 from tests.model.test_parity_sentence_transformers import varied_sentences
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -26,12 +27,13 @@ def test_cuda_graphs_match_eager_forward_passes() -> None:
     """Replayed graphs against eager forward passes of the same batches, float32 on CUDA: max
     abs difference <= 1e-4 at every batch size (padded to 1, 4, 32 and 64 rows); a graph
     replayed for another batch in between gives the same vectors again."""
-    encoded = Embedder.load(device="cpu", dtype="float32").tokenize(varied_sentences())
-    by_length = sorted(encoded, key=lambda e: len(e.ids))
     graphed = Embedder.load(device="cuda", dtype="float32")
     eager = Embedder.load(device="cuda", dtype="float32", cuda_graphs=False)
     assert graphed.graphs is not None and eager.graphs is None
-    print(f"{graphed.capture_graphs()} graphs captured")
+    captured = graphed.capture_graphs()
+    print(f"{captured} graphs captured")
+    assert captured == len(all_buckets(graphed.info.max_input_tokens))
+    by_length = sorted(graphed.tokenize(varied_sentences()), key=lambda e: len(e.ids))
     for batch in (by_length[-1:], by_length[-3:], by_length[:17], by_length[:64]):
         width = max(len(e.ids) for e in batch)
         assert graphed.graphs.bucket(len(batch), width) is not None
