@@ -57,6 +57,7 @@ bench:
 	$(BIN)/python -m bench.layers
 	$(BIN)/python -m bench.server
 	$(BIN)/python -m bench.batch_wait
+	$(BIN)/python -m bench.workers
 
 # The compose topology (HAProxy, Prometheus, two replicas) without Docker; `make test` runs it too.
 deploy-test: dev system-deps

@@ -162,9 +162,9 @@ class Batcher:
         self._tokens = 1000.0
         self.crashed: BaseException | None = None
         self._trimmer = Trimmer()
-        # Read when /metrics is scraped, not set on every change: that is twice per request.
-        metrics.queue_depth.set_function(lambda: len(self._queue))
-        metrics.queue_tokens.set_function(lambda: self._queued_tokens)
+        self._queue_changed = metrics.watch_queue(
+            lambda: len(self._queue), lambda: self._queued_tokens
+        )
 
     # State ----------------------------------------------------------------------------
     @property
@@ -208,6 +208,7 @@ class Batcher:
             self._check_room(ticket.tokens, self.max_wait if within is None else within)
             self._queue.extend(ticket.items)
             self._queued_tokens += ticket.tokens
+            self._queue_changed()
             self._condition.notify()
 
     def check_room(self, within: float) -> None:
@@ -267,6 +268,7 @@ class Batcher:
             with self._condition:
                 orphans, self._queue = self._queue, []
                 self._queued_tokens = 0
+                self._queue_changed()
             self._fail({item.ticket for item in orphans}, "the batch worker has stopped")
             raise
 
@@ -290,6 +292,7 @@ class Batcher:
             tokens = sum(item.length for item in batch)
             self._queued_tokens -= tokens
             self._running_tokens = tokens
+            self._queue_changed()
             return batch
 
     def _drop_abandoned(self) -> None:
@@ -297,6 +300,7 @@ class Batcher:
         if len(kept) != len(self._queue):
             self._queued_tokens = sum(item.length for item in kept)
             self._queue = kept
+            self._queue_changed()
 
     def _wait_for_fuller_batch(self) -> None:
         """Clients answered a moment ago come back within milliseconds: while inputs keep

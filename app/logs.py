@@ -14,6 +14,7 @@ class JSONFormatter(logging.Formatter):
             "time": self.formatTime(record),
             "level": record.levelname.lower(),
             "logger": record.name,
+            "pid": record.process,  # which worker, under --workers
             "message": record.getMessage(),
         }
         if record.exc_info:
@@ -26,7 +27,9 @@ def configure_logging(level: str, fmt: str) -> None:
     if fmt == "json":
         handler.setFormatter(JSONFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+        )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from app.balance import ConnectionBalance
 from app.fastpath import FAST_ROUTES
 from app.handlers import install_handlers
 from app.metrics import Metrics
@@ -30,8 +31,13 @@ PROTECTED_ROUTES = frozenset({("GET", "/info")})
 UNLIMITED_PATHS = frozenset({"/health", "/live", "/ping", "/metrics"})
 
 
-def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
-    """`on_fatal` is told when the model cannot load, so the process can exit non-zero."""
+def create_app(
+    settings: Settings,
+    on_fatal: Callable[[str], None] | None = None,
+    balance: ConnectionBalance | None = None,
+) -> FastAPI:
+    """`on_fatal` is told when the model cannot load, so the process can exit non-zero;
+    `balance` is a worker's share of the connections (app/balance.py), under --workers."""
     metrics = Metrics()
     service = EmbeddingService(settings, metrics)
 
@@ -104,5 +110,6 @@ def create_app(settings: Settings, on_fatal: Callable[[str], None] | None = None
         unlimited=UNLIMITED_PATHS,
         service=service,
         fast_routes=FAST_ROUTES,
+        balance=balance,
     )
     return app

@@ -1,8 +1,18 @@
-"""Prometheus metrics, prefix `embed_`, explicit buckets, one registry per app."""
+"""Prometheus metrics, prefix `embed_`, explicit buckets, one registry per app.
+
+With --workers, prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by
+app/workers.py) keeps each worker's values in files, and a scrape sums them over workers.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROCESS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 DURATION_BUCKETS = (
     0.001,
@@ -29,6 +39,8 @@ class Metrics:
     """All of the service's metrics; a fresh registry keeps test apps apart."""
 
     def __init__(self) -> None:
+        # prometheus_client keeps values in files exactly when this variable is set.
+        self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_VARIABLE)
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -37,11 +49,24 @@ class Metrics:
         self.failures = Counter(
             "embed_failures", "Failed requests by reason (error type).", ["reason"], registry=r
         )
+        self.connections_rebalanced = Counter(
+            "embed_connections_rebalanced",
+            "Connections closed after a response to even them out over the workers.",
+            registry=r,
+        )
         self.inputs = Counter("embed_inputs", "Inputs embedded.", registry=r)
         self.tokens = Counter("embed_tokens", "Tokens embedded (padding excluded).", registry=r)
-        self.queue_depth = Gauge("embed_queue_depth", "Inputs waiting for the model.", registry=r)
+        self.queue_depth = Gauge(
+            "embed_queue_depth",
+            "Inputs waiting for the model.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.queue_tokens = Gauge(
-            "embed_queue_tokens", "Tokens of the inputs waiting for the model.", registry=r
+            "embed_queue_tokens",
+            "Tokens of the inputs waiting for the model.",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.batch_size = Histogram(
             "embed_batch_size", "Inputs per forward pass.", buckets=BATCH_SIZE_BUCKETS, registry=r
@@ -70,7 +95,34 @@ class Metrics:
             "The served model (value 1).",
             ["model", "dtype", "device"],
             registry=r,
+            multiprocess_mode="max",
         )
+
+    def watch_queue(
+        self, depth: Callable[[], int], tokens: Callable[[], int]
+    ) -> Callable[[], None]:
+        """Wire the queue gauges to the batcher's queue; it calls the function returned after
+        each change. One process reads the queue when /metrics is scraped instead, and the
+        function does nothing (it would run twice per request); workers must publish, since
+        a scrape may reach another worker."""
+        if self.multiprocess_dir is None:
+            self.queue_depth.set_function(depth)
+            self.queue_tokens.set_function(tokens)
+            return _nothing
+
+        def publish() -> None:
+            self.queue_depth.set(depth())
+            self.queue_tokens.set(tokens())
+
+        return publish
+
+    def render(self) -> bytes:
+        """The exposition text: this process's values, or every worker's summed."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        workers = CollectorRegistry()
+        MultiProcessCollector(workers, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(workers)
 
     def _duration(self, name: str, documentation: str) -> Histogram:
         return Histogram(
@@ -79,3 +131,7 @@ class Metrics:
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
+
+
+def _nothing() -> None:
+    pass

@@ -20,6 +20,7 @@ from collections.abc import Container, Mapping
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.balance import ConnectionBalance
 from app.errors import (
     OverloadedError,
     PayloadTooLargeError,
@@ -50,6 +51,7 @@ class ServiceMiddleware:
         unlimited: Container[str],
         service: EmbeddingService,
         fast_routes: Mapping[tuple[str, str], FastRoute],
+        balance: ConnectionBalance | None = None,
     ) -> None:
         self.app = app
         self.metrics = metrics
@@ -65,6 +67,7 @@ class ServiceMiddleware:
         self.active = 0
         self.service = service
         self.fast_routes = fast_routes
+        self.balance = balance
         # Unique per process start, then a counter: cheaper than a uuid4 per request.
         self._id_prefix = uuid.uuid4().hex[:12]
         self._id_counter = itertools.count(1)
@@ -97,6 +100,9 @@ class ServiceMiddleware:
                     *message.get("headers", []),
                     (b"x-request-id", request_id.encode("latin-1")),
                 ]
+                if self.balance is not None and self.balance.should_close():
+                    message["headers"].append((b"connection", b"close"))
+                    self.metrics.connections_rebalanced.inc()
             await send(message)
 
         admitted = False

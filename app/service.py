@@ -113,7 +113,7 @@ class EmbeddingService:
     async def start(self) -> None:
         """Load the model, warm it up, then start the worker (all off the event loop)."""
         settings = self.settings
-        threads = settings.threads or available_cpus()
+        threads = settings.threads or max(1, available_cpus() // settings.workers)
         log.info("%d torch threads", threads)
         self.compute = compute = ComputeThread(threads)
         try:

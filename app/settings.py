@@ -48,11 +48,23 @@ class Settings(BaseSettings):
     )
     host: str = Field("0.0.0.0", description="Address to listen on.")
     port: int = Field(8080, ge=1, le=65535, description="Port to listen on.")
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "Server processes on the one port, each with its own copy of the model: more "
+            "throughput where one event loop is the limit, at the cost of memory."
+        ),
+    )
     threads: int | None = Field(
         None,
         ge=1,
         le=256,
-        description="Torch intra-op threads; default: the CPUs the process may use (cgroup quota).",
+        description=(
+            "Torch intra-op threads per worker; default: the CPUs the process may use "
+            "(cgroup quota), divided among the workers."
+        ),
     )
     max_batch_tokens: int = Field(
         16384, ge=1, description="Padded tokens (longest x count) one forward pass may hold."

@@ -79,10 +79,10 @@ class Server:
         raise SystemExit("the server did not become ready")
 
     def peak_rss_mib(self) -> float:
-        """VmHWM: the most resident memory the process has had so far."""
-        status = Path(f"/proc/{self.process.pid}/status").read_text()
-        kib = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))
-        return int(kib) / 1024
+        """VmHWM, the most resident memory a process has had so far, summed over the server
+        and its child processes (the workers, under --workers)."""
+        pids = [self.process.pid, *_children(self.process.pid)]
+        return sum(_peak_kib(pid) for pid in pids) / 1024
 
     def info(self) -> dict[str, object]:
         info: dict[str, object] = httpx.get(f"{self.url}/info", timeout=10).json()
@@ -92,6 +92,19 @@ class Server:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(timeout=60)
+
+
+def _children(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in children.read_text().split()] if children.exists() else []
+
+
+def _peak_kib(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # exited meanwhile
+        return 0
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
 
 
 def run_wrk(

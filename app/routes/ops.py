@@ -6,7 +6,7 @@ import functools
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from app.dependencies import ServiceDep
@@ -123,4 +123,4 @@ async def live(service: ServiceDep) -> JSONResponse:
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     registry: Metrics = request.app.state.metrics
-    return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(registry.render(), media_type=CONTENT_TYPE_LATEST)

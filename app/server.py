@@ -1,0 +1,130 @@
+"""One server process: the app under uvicorn, with a drain between a stop signal and the exit.
+
+SIGTERM (or Ctrl-C) drains: /health turns 503 at once; after --drain-delay seconds (for load
+balancers to notice) new inference gets 503 too; accepted requests finish (up to
+--shutdown-grace seconds), then the server exits 0. A second signal exits at once, with 128 +
+the signal's number.
+Worst case from the first signal to the exit: drain_delay + shutdown_grace, then up to
+CLOSE_GRACE seconds for uvicorn to close connections, then up to 2 s for the worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from types import FrameType
+
+import uvicorn
+
+from app.balance import ConnectionBalance
+from app.main import create_app
+from app.service import EmbeddingService
+from app.settings import Settings
+
+log = logging.getLogger("app")
+
+# Seconds uvicorn waits, after the drain, for connections to close (keep-alive ones close at
+# once; accepted requests have finished by then).
+CLOSE_GRACE = 3
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain step between the first signal and the shutdown."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        service: EmbeddingService,
+        delay: float,
+        grace: float,
+        balance: ConnectionBalance | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.service = service
+        self.balance = balance
+        self.delay = delay
+        self.grace = grace
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Holds the drain task, so that it is not garbage-collected while it runs.
+        self._drain: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)  # type: ignore[arg-type]
+
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn ticks every 0.1 s; the connections are counted every other tick.
+        if self.balance is not None and counter % 2 == 0:
+            self.balance.publish(len(self.server_state.connections))
+        return await super().on_tick(counter)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._loop is None:  # before start-up finished: nothing to drain
+            super().handle_exit(sig, frame)
+            return
+        if self.service.stopping:
+            # uvicorn would start another graceful wait; an operator who signals twice
+            # wants the process gone now.
+            log.warning(
+                "second signal during the drain: exiting now, %d requests in flight",
+                self.service.inflight,
+            )
+            logging.shutdown()
+            os._exit(128 + sig)
+        self.service.begin_stop()
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        await asyncio.sleep(self.delay)
+        self.service.begin_drain()
+        if not await self.service.wait_idle(self.grace):
+            log.warning(
+                "grace period of %s s over with %d requests in flight",
+                self.grace,
+                self.service.inflight,
+            )
+        self.should_exit = True
+
+    def fail(self) -> None:
+        """The model could not load: stop serving and exit non-zero."""
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def serve(
+    settings: Settings,
+    sock: socket.socket | None = None,
+    balance: ConnectionBalance | None = None,
+) -> int:
+    """Serve until stopped, on `sock` if given (a worker, with its `balance`) or on settings'
+    host and port; return the exit code."""
+    server: DrainingServer | None = None
+
+    def on_fatal(reason: str) -> None:
+        # create_app has logged the reason; the process only has to stop with an error code.
+        if server is not None:
+            server.fail()
+
+    app = create_app(settings, on_fatal=on_fatal, balance=balance)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=CLOSE_GRACE,
+        # Connections and requests in progress past this get uvicorn's fast 503. uvicorn counts
+        # the connection asking among those open, so N + 1 is what lets N connections in.
+        limit_concurrency=settings.max_connections + 1,
+    )
+    server = DrainingServer(
+        config, app.state.service, settings.drain_delay, settings.shutdown_grace, balance
+    )
+    server.run(sockets=[sock] if sock is not None else None)
+    return server.exit_code
