@@ -102,7 +102,11 @@ def supervise(settings: Settings) -> int:
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for worker in workers:
+            # A signal before this worker started skipped it in `forward`: pass it on now.
+            late = stopping.is_set()
             worker.start()
+            if late and worker.pid is not None:
+                os.kill(worker.pid, signal.SIGTERM)
         log.info("%d workers on %s:%d", len(workers), settings.host, settings.port)
         return _wait(workers, stopping, settings.drain_delay + settings.shutdown_grace)
     finally:
