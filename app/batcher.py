@@ -27,6 +27,7 @@ import numpy.typing as npt
 import torch
 
 from app.compute import ComputeThread
+from app.cores import CoreLease
 from app.errors import BackendError, OverloadedError, ServiceError
 from app.memory import Trimmer
 from app.metrics import Metrics
@@ -135,6 +136,7 @@ class Batcher:
         max_queue_wait: float | None = None,
         batch_wait: float = 0.0,
         seconds_per_token: float = 1e-3,
+        cores: CoreLease | None = None,
     ) -> None:
         self.embedder = embedder
         self.metrics = metrics
@@ -145,6 +147,7 @@ class Batcher:
         # The work a request may find ahead of it (by default, all of its time).
         self.max_queue_wait = max_wait if max_queue_wait is None else max_queue_wait
         self.batch_wait = batch_wait
+        self.cores = cores
         # Whether the last batch served more than one request: waiting for a fuller batch
         # pays only then. A lone client sends its next request only after its answer, so a
         # wait for company would cost it the whole quiet gap on every request.
@@ -369,6 +372,13 @@ class Batcher:
         self._tokens = ESTIMATE_DECAY * self._tokens + max(tokens, 1)
 
     def _forward(self, batch: list[WorkItem]) -> BatchOutput:
+        if self.cores is None:
+            return self._run_model(batch)
+        with self.cores.cores() as threads:
+            self.metrics.forward_passes.labels(str(threads)).inc()
+            return self._run_model(batch)
+
+    def _run_model(self, batch: list[WorkItem]) -> BatchOutput:
         return self.embedder.forward(
             [item.encoded for item in batch],
             token_embeddings=any(item.ticket.wants.token_embeddings for item in batch),

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from app.balance import ConnectionBalance
+from app.cores import CoreLease
 from app.fastpath import FAST_ROUTES
 from app.handlers import install_handlers
 from app.metrics import Metrics
@@ -35,11 +36,13 @@ def create_app(
     settings: Settings,
     on_fatal: Callable[[str], None] | None = None,
     balance: ConnectionBalance | None = None,
+    cores: CoreLease | None = None,
 ) -> FastAPI:
     """`on_fatal` is told when the model cannot load, so the process can exit non-zero;
-    `balance` is a worker's share of the connections (app/balance.py), under --workers."""
+    `balance` and `cores` are a worker's share of the connections and of the CPU's cores
+    (app/balance.py, app/cores.py), under --workers."""
     metrics = Metrics()
-    service = EmbeddingService(settings, metrics)
+    service = EmbeddingService(settings, metrics, cores)
 
     async def start() -> None:
         try:

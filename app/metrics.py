@@ -54,6 +54,12 @@ class Metrics:
             "Connections closed after a response to even them out over the workers.",
             registry=r,
         )
+        self.forward_passes = Counter(
+            "embed_forward_passes",
+            "Forward passes by the torch threads they ran on (--workers on a CPU, app/cores.py).",
+            ["threads"],
+            registry=r,
+        )
         self.inputs = Counter("embed_inputs", "Inputs embedded.", registry=r)
         self.tokens = Counter("embed_tokens", "Tokens embedded (padding excluded).", registry=r)
         self.queue_depth = Gauge(

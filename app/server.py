@@ -19,6 +19,7 @@ from types import FrameType
 import uvicorn
 
 from app.balance import ConnectionBalance
+from app.cores import CoreLease
 from app.main import create_app
 from app.service import EmbeddingService
 from app.settings import Settings
@@ -101,9 +102,10 @@ def serve(
     settings: Settings,
     sock: socket.socket | None = None,
     balance: ConnectionBalance | None = None,
+    cores: CoreLease | None = None,
 ) -> int:
-    """Serve until stopped, on `sock` if given (a worker, with its `balance`) or on settings'
-    host and port; return the exit code."""
+    """Serve until stopped, on `sock` if given (a worker, with its `balance` and, on a CPU,
+    its `cores`) or on settings' host and port; return the exit code."""
     server: DrainingServer | None = None
 
     def on_fatal(reason: str) -> None:
@@ -111,7 +113,7 @@ def serve(
         if server is not None:
             server.fail()
 
-    app = create_app(settings, on_fatal=on_fatal, balance=balance)
+    app = create_app(settings, on_fatal=on_fatal, balance=balance, cores=cores)
     config = uvicorn.Config(
         app,
         host=settings.host,

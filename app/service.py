@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from app.batcher import Batcher, ItemResult, Ticket, Wants
 from app.compute import ComputeThread
+from app.cores import CoreLease
 from app.errors import (
     ClientDisconnectedError,
     DeadlineError,
@@ -33,7 +34,6 @@ from app.params import EncodeOptions, RawInput
 from app.settings import Settings
 from app.tokenization import Input, Tokenization, characters, prompt_of
 from model import AttentionSpec, Embedder, Encoded, ModelInfo, Task
-from model.device import available_cpus
 from model.similarity import similarity
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,13 @@ class Tokenized:
 class EmbeddingService:
     """Owns the model and the batcher; routes call it and never touch the model directly."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(
+        self, settings: Settings, metrics: Metrics, cores: CoreLease | None = None
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
+        # Under --workers on a CPU: the cores each forward pass takes (app/cores.py).
+        self.cores = cores
         self.limits = Limits(settings)
         self.embedder: Embedder | None = None
         self.batcher: Batcher | None = None
@@ -113,7 +117,7 @@ class EmbeddingService:
     async def start(self) -> None:
         """Load the model, warm it up, then start the worker (all off the event loop)."""
         settings = self.settings
-        threads = settings.threads or max(1, available_cpus() // settings.workers)
+        threads = settings.worker_threads()
         log.info("%d torch threads", threads)
         self.compute = compute = ComputeThread(threads)
         try:
@@ -147,6 +151,7 @@ class EmbeddingService:
             max_queue_wait=settings.max_queue_wait,
             batch_wait=settings.batch_wait_ms / 1000,
             seconds_per_token=seconds_per_token,
+            cores=self.cores if embedder.info.device == "cpu" else None,
         )
         self.batcher.start(asyncio.get_running_loop(), compute)
         # What start-up made (modules, the model, the app: about 330,000 objects with the

@@ -9,6 +9,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from model import DEFAULT_MODEL_ID
+from model.device import available_cpus
 
 
 class Settings(BaseSettings):
@@ -169,6 +170,11 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
     access_log: bool = Field(False, description="Log every request (costs throughput).")
+
+    def worker_threads(self) -> int:
+        """Torch threads per worker: `threads`, or the CPUs this process may use over the
+        workers (at least one)."""
+        return self.threads or max(1, available_cpus() // self.workers)
 
     @field_validator("cors_origins", mode="before")
     @classmethod

@@ -2,9 +2,10 @@
 
 Why: one Python process has one event loop, and past a point that loop, not the model, is
 what limits the server (HTTP parsing, validation, tokenizing and JSON rendering all run on
-it). N processes run N loops in parallel. On a CPU each worker gets 1/N of the cores for
-torch, and N one-thread models also skip OpenMP's barriers, which a busy neighbour on a
-small machine turns into idle time; on a GPU the workers share the device.
+it). N processes run N loops in parallel. On a CPU each worker's share is 1/N of the cores
+for torch, and N one-thread models also skip OpenMP's barriers, which a busy neighbour on a
+small machine turns into idle time; a pass while the other workers idle takes all the cores
+(app/cores.py). On a GPU the workers share the device.
 
 The supervisor (this module, in the process the container runs) reserves the port, spawns
 the workers, which each listen on it (see `bind`), and forwards SIGTERM and SIGINT to them, so
@@ -32,6 +33,7 @@ from multiprocessing.context import SpawnProcess
 from types import FrameType
 
 from app.balance import ConnectionBalance, Counts
+from app.cores import CoreLease, CorePool
 from app.logs import configure_logging
 from app.memory import limit_arenas
 from app.metrics import MULTIPROCESS_DIR_VARIABLE
@@ -86,8 +88,11 @@ def supervise(settings: Settings) -> int:
     os.environ[MULTIPROCESS_DIR_VARIABLE] = metrics_dir
     context = multiprocessing.get_context("spawn")
     counts = context.RawArray(ctypes.c_int, settings.workers)
+    cores = CorePool(context, settings.workers, settings.worker_threads())
     workers = [
-        context.Process(target=_run_worker, args=(settings, counts, index), name=f"worker-{index}")
+        context.Process(
+            target=_run_worker, args=(settings, counts, cores, index), name=f"worker-{index}"
+        )
         for index in range(settings.workers)
     ]
     # Set by a signal, or by a worker exiting on its own: every exit after it is expected.
@@ -108,7 +113,7 @@ def supervise(settings: Settings) -> int:
             if late and worker.pid is not None:
                 os.kill(worker.pid, signal.SIGTERM)
         log.info("%d workers on %s:%d", len(workers), settings.host, settings.port)
-        return _wait(workers, stopping, settings.drain_delay + settings.shutdown_grace)
+        return _wait(workers, stopping, cores, settings.drain_delay + settings.shutdown_grace)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -116,14 +121,18 @@ def supervise(settings: Settings) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _wait(workers: list[SpawnProcess], stopping: threading.Event, drain_seconds: float) -> int:
-    """Until every worker has exited: the first to exit without a signal stops the rest."""
+def _wait(
+    workers: list[SpawnProcess], stopping: threading.Event, cores: CorePool, drain_seconds: float
+) -> int:
+    """Until every worker has exited: the first to exit without a signal stops the rest,
+    which finish what they hold without waiting for cores the dead one held."""
     running = list(workers)
     code = 0
     while running:
         wait_for_any([worker.sentinel for worker in running])
         for worker in [w for w in running if w.exitcode is not None]:
             running.remove(worker)
+            cores.forget(workers.index(worker))
             code = code or _shell_code(worker.exitcode or 0)
             if not stopping.is_set():
                 log.error("%s exited with %d: stopping the others", worker.name, worker.exitcode)
@@ -147,7 +156,7 @@ def _stop(workers: list[SpawnProcess], drain_seconds: float) -> None:
             worker.kill()
 
 
-def _run_worker(settings: Settings, counts: Counts, index: int) -> None:
+def _run_worker(settings: Settings, counts: Counts, cores: CorePool, index: int) -> None:
     # Signals reach the workers through the supervisor only: a terminal's Ctrl-C goes to the
     # whole process group, and a worker that got it twice would skip its drain.
     os.setpgrp()
@@ -156,7 +165,8 @@ def _run_worker(settings: Settings, counts: Counts, index: int) -> None:
     configure_logging(settings.log_level, settings.log_format)
     log.info("worker started (pid %d)", os.getpid())
     balance = ConnectionBalance(counts, index)
-    raise SystemExit(serve(settings, bind(settings, listen=True), balance))
+    lease = CoreLease(cores, index)
+    raise SystemExit(serve(settings, bind(settings, listen=True), balance, lease))
 
 
 def _die_with_parent() -> None:

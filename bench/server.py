@@ -111,7 +111,7 @@ def bodies(load: Load) -> list[str]:
 
 
 def run_load(server: Server, load: Load, seconds: float) -> WrkResult:
-    return run_wrk(
+    result = run_wrk(
         server.url,
         bodies(load),
         connections=load.clients,
@@ -119,6 +119,8 @@ def run_load(server: Server, load: Load, seconds: float) -> WrkResult:
         vectors=load.inputs,
         dimension=DIMENSION,
     )
+    server.settle()
+    return result
 
 
 def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:

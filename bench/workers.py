@@ -3,7 +3,7 @@
 Each round starts a fresh server of each kind in turn (one process's speed is a draw of its
 own) and runs bench.server's four loads on it; every answer is checked. Printed: each
 figure per round, and the per-round ratio of two workers to one.
-Usage: python -m bench.workers [--dtype bfloat16] [--rounds 3] [--seconds 10] [--cores 2]
+Usage: python -m bench.workers [--dtype auto] [--rounds 3] [--seconds 10] [--cores 2]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from bench.wrk import Server
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: what the server picks here")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--cores", type=int, default=2, help="torch threads in all")

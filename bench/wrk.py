@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,20 @@ class Server:
     def info(self) -> dict[str, object]:
         info: dict[str, object] = httpx.get(f"{self.url}/info", timeout=10).json()
         return info
+
+    def settle(self, probes: int = 8) -> None:
+        """Return once the work clients left behind is done: when wrk stops, the batches
+        already running for its connections still run (up to 2 s for long passages on 2
+        cores), and would land in the next load's latencies. Each probe, on a connection of
+        its own (so that the kernel spreads them over the workers), is answered only after
+        its worker's running batch."""
+        body = {"inputs": ["settle"]}
+        with ThreadPoolExecutor(probes) as pool:
+            answers = pool.map(
+                lambda _: httpx.post(f"{self.url}/embed", json=body, timeout=60), range(probes)
+            )
+            for answer in answers:
+                answer.raise_for_status()
 
     def stop(self) -> None:
         if self.process.poll() is None:

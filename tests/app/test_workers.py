@@ -90,6 +90,9 @@ def test_workers_share_the_port_and_metrics_sum_over_them(workers: ServerProcess
     assert [requests_counted(workers.url) for _ in range(6)] == [float(sent)] * 6
     text = httpx.get(f"{workers.url}/metrics").text
     assert len(re.findall(r"^embed_model_info\{.*\} 1\.0$", text, re.M)) == 1
+    # Each request came alone, with the other worker idle: each pass ran on both cores.
+    passes = dict(re.findall(r'^embed_forward_passes_total\{threads="(\d+)"\} (\S+)$', text, re.M))
+    assert passes == {"2": f"{float(sent)}"}
 
 
 def queue_depth(url: str) -> float:
