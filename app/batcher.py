@@ -165,9 +165,15 @@ class Batcher:
         self._tokens = 1000.0
         self.crashed: BaseException | None = None
         self._trimmer = Trimmer()
-        self._queue_changed = metrics.watch_queue(
+        self._publish_queue = metrics.watch_queue(
             lambda: len(self._queue), lambda: self._queued_tokens
         )
+
+    def _queue_changed(self) -> None:
+        """After every change to the queue, with the lock held."""
+        self._publish_queue()
+        if self.cores is not None:
+            self.cores.set_busy(bool(self._queue) or self._running_tokens > 0)
 
     # State ----------------------------------------------------------------------------
     @property
@@ -350,18 +356,23 @@ class Batcher:
         self.metrics.batch_tokens.observe(padded)
         self.metrics.padding_ratio.observe(1 - sum(lengths) / padded if padded else 0.0)
         started = time.perf_counter()
+        output: BatchOutput | None = None
         try:
             output = self._forward(batch)
-        except (torch.OutOfMemoryError, MemoryError) as exc:
-            self._split_after_oom(batch, exc)
-            return
+        except (torch.OutOfMemoryError, MemoryError):
+            pass  # split below: the error's traceback holds the failed pass's tensors till then
         except Exception:
             # One failing batch fails its own requests only; the worker carries on.
             log.exception("forward pass failed for a batch of %d inputs", len(batch))
             self._fail({item.ticket for item in batch}, "the model failed on this input's batch")
             return
         finally:
-            self._running_tokens = 0
+            with self._condition:
+                self._running_tokens = 0
+                self._queue_changed()
+        if output is None:
+            self._split_after_oom(batch)
+            return
         seconds = time.perf_counter() - started
         self.record_pace(seconds, sum(lengths))
         self.metrics.inference_seconds.observe(seconds)
@@ -385,7 +396,7 @@ class Batcher:
             attention=batch[0].ticket.wants.attention,
         )
 
-    def _split_after_oom(self, batch: list[WorkItem], exc: BaseException) -> None:
+    def _split_after_oom(self, batch: list[WorkItem]) -> None:
         """Out of memory: retry in halves, down to one input, which alone then fails."""
         if len(batch) == 1:
             log.error("out of memory on a single input of %d tokens", batch[0].length)

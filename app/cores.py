@@ -2,32 +2,33 @@
 
 Each worker's share is `threads` (by default the CPUs over the workers): one-thread passes
 side by side give the most throughput on a small machine, but a request alone would run on
-one core while the others idle (1 x 1 p50 1.1-1.7x one worker's, measured by bench/workers.py
-before this lease). So every forward pass first takes cores from a pool that all workers
-share, and runs on as many torch threads as it took:
-- all of them, when no other worker is running or waiting for a pass: nobody else needs them;
-- its share otherwise, waiting for it if a wide pass holds it. A pass that had to wait
-  takes only its share, so that under load the workers settle back into running side by
-  side instead of taking turns at wide passes.
-The cores a worker holds sit in memory the supervisor shares with all workers, guarded by
-one cross-process condition; the supervisor frees a dead worker's slot (see app/workers.py).
+one core while the others idle (1 x 1 p50 1.1-1.4x one worker's, measured by bench/workers.py
+before this module). So each forward pass runs on as many torch threads as it can take:
+- all the workers' (at most the CPUs), when no other worker is busy (a batch running, or
+  waiting for cores, or inputs in its queue, as while it waits for a fuller batch);
+- its share otherwise, waiting for it while a pass that took all runs. A pass that had to
+  wait thereby takes only its share, and so does the next pass beside it, so under load
+  the workers settle back into running side by side instead of taking turns.
+Two shared things carry it: one flag per worker ("busy", set by its batcher), in memory the
+supervisor made, and a lock file, held shared by a pass on its share and exclusive by a pass
+on all the cores. A file lock, because the kernel drops it when its holder dies: a worker
+killed mid-pass or while waiting (the OOM killer, say) leaves nothing that could block the
+others, and the supervisor clears its flag (see app/workers.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.context import SpawnContext
-from multiprocessing.synchronize import Condition
 
 import torch
 
-# A worker's slot: the cores its running pass holds, or WAITING while it waits for its share.
-WAITING = -1
-# How long the supervisor tries for the lock when it frees a dead worker's slot: the worker
-# may have died holding it, and a stuck supervisor would never stop the others.
-FORGET_TIMEOUT = 1.0
+from model.device import available_cpus
 
 
 class CorePool:
@@ -35,53 +36,54 @@ class CorePool:
 
     def __init__(self, context: SpawnContext, workers: int, share: int) -> None:
         self.share = share
-        self.size = share * workers
-        self.condition: Condition = context.Condition()
-        self.held: ctypes.Array[ctypes.c_int] = context.RawArray(ctypes.c_int, workers)
+        self.size = max(share, min(share * workers, available_cpus()))
+        self.busy: ctypes.Array[ctypes.c_int] = context.RawArray(ctypes.c_int, workers)
+        descriptor, self.lock_path = tempfile.mkstemp(prefix="embed-cores-")
+        os.close(descriptor)
 
     def forget(self, index: int) -> None:
-        """Free what a dead worker held, so that the others' passes do not wait for it."""
-        if self.condition.acquire(timeout=FORGET_TIMEOUT):
-            try:
-                self.held[index] = 0
-                self.condition.notify_all()
-            finally:
-                self.condition.release()
+        """A dead worker wants no cores: the others may take them all again."""
+        self.busy[index] = 0
+
+    def remove(self) -> None:
+        """At the supervisor's exit."""
+        os.unlink(self.lock_path)
 
 
 class CoreLease:
-    """One worker's side: `with lease.cores():` around each forward pass, on the thread that
-    runs torch (the thread count is per thread)."""
+    """One worker's side: `set_busy` from its batcher, and `with lease.cores():` around each
+    forward pass, on the thread that runs torch (the thread count is per thread)."""
 
     def __init__(self, pool: CorePool, index: int) -> None:
         self.pool = pool
         self.index = index
+        # Opened by each worker: locks on separate opens exclude each other.
+        self._lock_file = os.open(pool.lock_path, os.O_RDWR)
+
+    def set_busy(self, busy: bool) -> None:
+        """Whether this worker runs a batch or holds inputs: it wants cores now or soon."""
+        self.pool.busy[self.index] = busy
 
     @contextmanager
     def cores(self) -> Iterator[int]:
-        taken = self._take()
-        if torch.get_num_threads() != taken:
-            torch.set_num_threads(taken)
+        taken = self.pool.size if self._take_all() else self._take_share()
         try:
+            if torch.get_num_threads() != taken:
+                torch.set_num_threads(taken)
             yield taken
         finally:
-            with self.pool.condition:
-                self.pool.held[self.index] = 0
-                self.pool.condition.notify_all()
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
 
-    def _take(self) -> int:
-        pool, held = self.pool, self.pool.held
-        with pool.condition:
-            others = [held[i] for i in range(len(held)) if i != self.index]
-            if not any(others):
-                held[self.index] = pool.size
-                return pool.size
-            if pool.size - sum(n for n in others if n > 0) < pool.share:
-                held[self.index] = WAITING
-                pool.condition.wait_for(lambda: self._free() >= pool.share)
-            held[self.index] = pool.share
-            return pool.share
+    def _take_all(self) -> bool:
+        busy = self.pool.busy
+        if any(busy[i] for i in range(len(busy)) if i != self.index):
+            return False
+        try:  # fails at once while any other pass holds its share
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
 
-    def _free(self) -> int:
-        held = self.pool.held
-        return self.pool.size - sum(held[i] for i in range(len(held)) if held[i] > 0)
+    def _take_share(self) -> int:
+        fcntl.flock(self._lock_file, fcntl.LOCK_SH)  # waits while a pass holds all the cores
+        return self.pool.share

@@ -97,21 +97,23 @@ def supervise(settings: Settings) -> int:
     ]
     # Set by a signal, or by a worker exiting on its own: every exit after it is expected.
     stopping = threading.Event()
+    signalled: set[int] = set()
 
     def forward(sig: int, frame: FrameType | None) -> None:
         stopping.set()
         for worker in workers:
             if worker.pid is not None and worker.exitcode is None:
                 os.kill(worker.pid, sig)
+                signalled.add(worker.pid)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for worker in workers:
-            # A signal before this worker started skipped it in `forward`: pass it on now.
-            late = stopping.is_set()
             worker.start()
-            if late and worker.pid is not None:
+            # A signal before this worker had a pid skipped it in `forward`: pass it on now.
+            if stopping.is_set() and worker.pid is not None and worker.pid not in signalled:
                 os.kill(worker.pid, signal.SIGTERM)
+                signalled.add(worker.pid)
         log.info("%d workers on %s:%d", len(workers), settings.host, settings.port)
         return _wait(workers, stopping, cores, settings.drain_delay + settings.shutdown_grace)
     finally:
@@ -119,13 +121,14 @@ def supervise(settings: Settings) -> int:
             signal.signal(sig, handler)
         reservation.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        cores.remove()
 
 
 def _wait(
     workers: list[SpawnProcess], stopping: threading.Event, cores: CorePool, drain_seconds: float
 ) -> int:
-    """Until every worker has exited: the first to exit without a signal stops the rest,
-    which finish what they hold without waiting for cores the dead one held."""
+    """Until every worker has exited: the first to exit without a signal stops the rest.
+    A dead worker's busy flag is cleared, so the others' last passes may take every core."""
     running = list(workers)
     code = 0
     while running:

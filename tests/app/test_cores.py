@@ -1,9 +1,13 @@
-"""The cores workers share (app/cores.py): a lone pass takes them all, and nothing waits for
-cores nobody uses. Two workers are played by two threads of this process."""
+"""The cores workers share (app/cores.py): a lone pass takes them all, nothing waits for cores
+nobody uses, and a worker's death leaves nothing behind that could block the others. Workers
+are played by threads of this process (each lease opens the lock file on its own), and by a
+process killed mid-pass."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -11,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import torch
 
-from app.cores import WAITING, CoreLease, CorePool
+from app.cores import CoreLease, CorePool
 
 # Long enough for a thread that should block to have got through, were it not blocked.
 BLOCKED_FOR = 0.3
@@ -25,26 +29,41 @@ def keep_torch_threads() -> Iterator[None]:
 
 
 @pytest.fixture
-def pool() -> CorePool:
-    return CorePool(multiprocessing.get_context("spawn"), workers=2, share=1)
+def pool() -> Iterator[CorePool]:
+    pool = CorePool(multiprocessing.get_context("spawn"), workers=2, share=1)
+    yield pool
+    pool.remove()
 
 
 def hold(lease: CoreLease, entered: Future[int], leave: threading.Event) -> None:
-    """A pass that runs until `leave` is set; `entered` gets the cores it took."""
+    """A worker's batch, as its batcher runs one: busy, then a pass until `leave` is set."""
+    lease.set_busy(True)
     with lease.cores() as taken:
         entered.set_result(taken)
         leave.wait()
+    lease.set_busy(False)
 
 
 def test_a_lone_pass_takes_every_core_and_runs_on_as_many_threads(pool: CorePool) -> None:
+    assert pool.size == 2  # 2 workers with 1 thread each, on a machine with at least 2 CPUs
     with CoreLease(pool, 0).cores() as taken:
         assert taken == 2
         assert torch.get_num_threads() == 2
-        assert list(pool.held) == [2, 0]
-    assert list(pool.held) == [0, 0]
 
 
-def test_a_pass_waits_for_a_wide_one_then_takes_only_its_share(pool: CorePool) -> None:
+def test_a_worker_with_queued_inputs_keeps_the_others_from_going_wide(pool: CorePool) -> None:
+    # As while it waits for a fuller batch: it will want its share within milliseconds.
+    first, second = CoreLease(pool, 0), CoreLease(pool, 1)
+    second.set_busy(True)
+    with first.cores() as taken:
+        assert taken == 1
+        assert torch.get_num_threads() == 1
+    second.set_busy(False)
+    with first.cores() as taken:
+        assert taken == 2
+
+
+def test_a_pass_waits_for_a_wide_one_and_then_both_run_on_their_share(pool: CorePool) -> None:
     first, second = CoreLease(pool, 0), CoreLease(pool, 1)
     wide, narrow = Future[int](), Future[int]()
     leave_wide, leave_narrow = threading.Event(), threading.Event()
@@ -54,50 +73,52 @@ def test_a_pass_waits_for_a_wide_one_then_takes_only_its_share(pool: CorePool) -
         threads.submit(hold, second, narrow, leave_narrow)
         with pytest.raises(TimeoutError):
             narrow.result(timeout=BLOCKED_FOR)
-        assert list(pool.held) == [2, WAITING]
         leave_wide.set()
-        # It waited: under load, the workers go back to running side by side.
         assert narrow.result(timeout=5) == 1
-        # And a pass beside it takes the one core left, at once.
+        # The first worker's next pass, beside the second's, takes its share at once.
         with first.cores() as taken:
             assert taken == 1
-            assert torch.get_num_threads() == 1
-            assert list(pool.held) == [1, 1]
         leave_narrow.set()
-    assert list(pool.held) == [0, 0]
 
 
-def test_a_waiting_worker_keeps_the_others_from_going_wide(pool: CorePool) -> None:
-    pool = CorePool(multiprocessing.get_context("spawn"), workers=3, share=1)
-    leases = [CoreLease(pool, index) for index in range(3)]
-    entered = [Future[int]() for _ in range(3)]
-    leave = [threading.Event() for _ in range(3)]
-    with ThreadPoolExecutor(3) as threads:
-        threads.submit(hold, leases[0], entered[0], leave[0])
-        assert entered[0].result(timeout=5) == 3
-        threads.submit(hold, leases[1], entered[1], leave[1])
-        with pytest.raises(TimeoutError):
-            entered[1].result(timeout=BLOCKED_FOR)
-        leave[0].set()
-        assert entered[1].result(timeout=5) == 1
-        # Worker 0 is idle, worker 1 runs: a third pass takes its share, not the two free.
-        threads.submit(hold, leases[2], entered[2], leave[2])
-        assert entered[2].result(timeout=5) == 1
-        leave[1].set()
-        leave[2].set()
-
-
-def test_the_cores_of_a_dead_worker_are_freed_for_the_others(pool: CorePool) -> None:
-    dead, living = CoreLease(pool, 0), CoreLease(pool, 1)
+def test_a_waiting_worker_keeps_a_wide_pass_from_following_the_last(pool: CorePool) -> None:
+    """Without it, the first worker could take turns at wide passes and starve the second."""
+    first, second = CoreLease(pool, 0), CoreLease(pool, 1)
     wide, narrow = Future[int](), Future[int]()
-    never, leave = threading.Event(), threading.Event()
+    leave_wide, leave_narrow = threading.Event(), threading.Event()
     with ThreadPoolExecutor(2) as threads:
-        threads.submit(hold, dead, wide, never)  # stands for a worker killed mid-pass
+        wide_pass = threads.submit(hold, first, wide, leave_wide)
         assert wide.result(timeout=5) == 2
-        threads.submit(hold, living, narrow, leave)
-        with pytest.raises(TimeoutError):
-            narrow.result(timeout=BLOCKED_FOR)
-        pool.forget(0)  # what the supervisor does when a worker exits
+        second.set_busy(True)  # its batch is in hand: it waits for the wide pass
+        waiting = threads.submit(hold, second, narrow, leave_narrow)
+        leave_wide.set()
+        wide_pass.result(timeout=5)
+        with first.cores() as taken:  # the first worker's next pass, as under load
+            assert taken == 1
         assert narrow.result(timeout=5) == 1
-        leave.set()
-        never.set()
+        leave_narrow.set()
+        waiting.result(timeout=5)
+
+
+def die_mid_pass(pool: CorePool, index: int, entered: threading.Event) -> None:
+    """In a child process: take every core, then die by SIGKILL holding them."""
+    lease = CoreLease(pool, index)
+    lease.set_busy(True)
+    with lease.cores():
+        entered.set()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_mid_pass_blocks_nobody(pool: CorePool) -> None:
+    context = multiprocessing.get_context("spawn")
+    entered = context.Event()
+    child = context.Process(target=die_mid_pass, args=(pool, 0, entered))
+    child.start()
+    child.join(30)
+    assert entered.is_set() and child.exitcode == -signal.SIGKILL
+    living = CoreLease(pool, 1)
+    with living.cores() as taken:  # the kernel dropped the dead worker's lock
+        assert taken == 1  # its flag still says busy
+    pool.forget(0)  # what the supervisor does when a worker exits
+    with living.cores() as taken:
+        assert taken == 2
