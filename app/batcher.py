@@ -172,6 +172,11 @@ class Batcher:
     def _queue_changed(self) -> None:
         """After every change to the queue, with the lock held."""
         self._publish_queue()
+        self._publish_busy()
+
+    def _publish_busy(self) -> None:
+        """Tell the other workers (app/cores.py) whether this one has work queued or running.
+        Called with the lock held."""
         if self.cores is not None:
             self.cores.set_busy(bool(self._queue) or self._running_tokens > 0)
 
@@ -369,7 +374,7 @@ class Batcher:
         finally:
             with self._condition:
                 self._running_tokens = 0
-                self._queue_changed()
+                self._publish_busy()
         if output is None:
             self._split_after_oom(batch)
             return

@@ -2,8 +2,9 @@
 
 Each worker's share is `threads` (by default the CPUs over the workers): one-thread passes
 side by side give the most throughput on a small machine, but a request alone would run on
-one core while the others idle (1 x 1 p50 1.1-1.4x one worker's, measured by bench/workers.py
-before this module). So each forward pass runs on as many torch threads as it can take:
+one core while the others idle (1 x 1 p50 1.07-1.36x one worker's, measured by
+bench/workers.py before this module). So each forward pass runs on as many torch threads as
+it can take:
 - all the workers' (at most the CPUs), when no other worker is busy (a batch running, or
   waiting for cores, or inputs in its queue, as while it waits for a fuller batch);
 - its share otherwise, waiting for it while a pass that took all runs. A pass that had to
