@@ -9,8 +9,9 @@ In one run, one process at a time, for each dtype:
    every response checked (status, vector count, dimension).
 Rounds alternate the two, each with a fresh server, and each figure keeps its best round:
 this machine's speed drifts by tens of percent from one minute to the next. Each server
-figure comes with its ratio to the ceiling and the server's peak RSS; all is printed and
-written to bench/results/server.json.
+figure comes with its ratio to the ceiling, the server's peak RSS, where its CPU went (event
+loops against the other threads, per text) and its batches (size, padding), which tell why a
+figure falls short of the ceiling; all is printed and written to bench/results/server.json.
 Usage: python -m bench.server [--dtypes float32 bfloat16] [--seconds 10] [--rounds 2]
                               [--device cpu|cuda] [-- SERVER FLAGS]
 """
@@ -110,7 +111,17 @@ def bodies(load: Load) -> list[str]:
     ]
 
 
-def run_load(server: Server, load: Load, seconds: float) -> WrkResult:
+@dataclass(frozen=True)
+class LoadRun:
+    wrk: WrkResult
+    event_loop_ms: float  # CPU per text on the server's event loops
+    other_ms: float  # CPU per text on its other threads: the model, tokenization
+    batch_inputs: float  # mean inputs per forward pass
+    padding: float  # mean padded share of a forward pass's tokens
+
+
+def run_load(server: Server, load: Load, seconds: float) -> LoadRun:
+    cpu, batches = server.cpu(), server.batches()
     result = run_wrk(
         server.url,
         bodies(load),
@@ -119,13 +130,23 @@ def run_load(server: Server, load: Load, seconds: float) -> WrkResult:
         vectors=load.inputs,
         dimension=DIMENSION,
     )
+    # Read before settling, so that the probes do not count: the batches still running for
+    # wrk's last requests are left out instead, about one batch in a hundred.
+    cpu, batches = server.cpu() - cpu, server.batches() - batches
     server.settle()
-    return result
+    texts = max(result.requests * load.inputs, 1)
+    return LoadRun(
+        result,
+        event_loop_ms=cpu.event_loops / texts * 1000,
+        other_ms=cpu.rest / texts * 1000,
+        batch_inputs=batches.inputs / max(batches.count, 1),
+        padding=batches.padding / max(batches.count, 1),
+    )
 
 
 def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
     ceilings = []
-    results: dict[str, list[WrkResult]] = {load.name: [] for load in LOADS}
+    results: dict[str, list[LoadRun]] = {load.name: [] for load in LOADS}
     rss: dict[str, float] = {}
     flags = ["--device", args.device, "--dtype", dtype, "--threads", str(args.threads)]
     flags += args.server
@@ -155,8 +176,10 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
         f"{best_ceiling['peak_rss_mib']:.0f} MiB"
     )
     for load in LOADS:
-        runs = results[load.name]
-        best = max(runs, key=lambda r: r.rate)
+        load_runs = results[load.name]
+        runs = [run.wrk for run in load_runs]
+        best_run = max(load_runs, key=lambda r: r.wrk.rate)
+        best = best_run.wrk
         errors = sum(r.bad + r.socket_errors for r in runs)
         texts_per_s = best.rate * load.inputs
         if load.ceiling == "single":
@@ -171,6 +194,11 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
             f"p99 {best.p99_ms:.1f} ms; errors {errors}; peak RSS {rss[load.name]:.0f} MiB; "
             f"wrk used {best.client_cores:.2f} cores"
         )
+        print(
+            f"    server CPU per text: event loop {best_run.event_loop_ms:.2f} ms, other "
+            f"threads {best_run.other_ms:.2f} ms; {best_run.batch_inputs:.1f} inputs per "
+            f"batch, {best_run.padding:.0%} padding"
+        )
         if errors:
             print(f"    first bad answer: {next(r.first_bad for r in runs if r.first_bad)}")
         figures["loads"][load.name] = {  # type: ignore[index]
@@ -178,7 +206,7 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
             "ratio": ratio,
             "errors": errors,
             "peak_rss_mib": rss[load.name],
-            "runs": [asdict(r) for r in runs],
+            "runs": [asdict(r) for r in load_runs],
         }
     return figures
 

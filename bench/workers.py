@@ -34,7 +34,7 @@ def main() -> None:
                 for load in LOADS:  # warm-up
                     run_load(server, load, 2)
                 for load in LOADS:
-                    result = run_load(server, load, args.seconds)
+                    result = run_load(server, load, args.seconds).wrk
                     if result.bad or result.socket_errors:
                         raise SystemExit(f"{config}, {load.name}: bad answers: {result.first_bad}")
                     single = load.ceiling == "single"

@@ -47,6 +47,33 @@ class WrkResult:
         return self.client_cpu_seconds / self.seconds
 
 
+@dataclass(frozen=True)
+class ServerCpu:
+    """CPU seconds the server's processes have used: their main threads, which run the event
+    loops (HTTP, validation, responses), and every other thread (the model's forward passes,
+    tokenization)."""
+
+    event_loops: float
+    rest: float
+
+    def __sub__(self, earlier: ServerCpu) -> ServerCpu:
+        return ServerCpu(self.event_loops - earlier.event_loops, self.rest - earlier.rest)
+
+
+@dataclass(frozen=True)
+class Batches:
+    """Sums of the server's batch histograms (/metrics, over all workers)."""
+
+    count: float
+    inputs: float
+    padding: float  # sum of each batch's padded share
+
+    def __sub__(self, earlier: Batches) -> Batches:
+        return Batches(
+            self.count - earlier.count, self.inputs - earlier.inputs, self.padding - earlier.padding
+        )
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -88,6 +115,37 @@ class Server:
     def info(self) -> dict[str, object]:
         info: dict[str, object] = httpx.get(f"{self.url}/info", timeout=10).json()
         return info
+
+    def cpu(self) -> ServerCpu:
+        """Read from /proc: a thread's CPU is fields 14 and 15 (utime, stime) of its stat."""
+        tick = os.sysconf("SC_CLK_TCK")
+        main = rest = 0.0
+        for pid in [self.process.pid, *_children(self.process.pid)]:
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:  # exited meanwhile
+                    continue
+                seconds = (int(fields[11]) + int(fields[12])) / tick
+                if task.name == str(pid):
+                    main += seconds
+                else:
+                    rest += seconds
+        return ServerCpu(main, rest)
+
+    def batches(self) -> Batches:
+        sums = dict.fromkeys(
+            ("embed_batch_size_count", "embed_batch_size_sum", "embed_padding_ratio_sum"), 0.0
+        )
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in sums:
+                sums[name] += float(value)
+        return Batches(
+            count=sums["embed_batch_size_count"],
+            inputs=sums["embed_batch_size_sum"],
+            padding=sums["embed_padding_ratio_sum"],
+        )
 
     def settle(self, probes: int = 8) -> None:
         """Return once the work clients left behind is done: when wrk stops, the batches
