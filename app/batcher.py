@@ -362,21 +362,23 @@ class Batcher:
         self.metrics.padding_ratio.observe(1 - sum(lengths) / padded if padded else 0.0)
         started = time.perf_counter()
         output: BatchOutput | None = None
+        out_of_memory = False
         try:
             output = self._forward(batch)
         except (torch.OutOfMemoryError, MemoryError):
-            pass  # split below: the error's traceback holds the failed pass's tensors till then
+            # Split below: the error's traceback holds the failed pass's tensors till then.
+            out_of_memory = True
         except Exception:
-            # One failing batch fails its own requests only; the worker carries on.
             log.exception("forward pass failed for a batch of %d inputs", len(batch))
-            self._fail({item.ticket for item in batch}, "the model failed on this input's batch")
-            return
         finally:
             with self._condition:
                 self._running_tokens = 0
                 self._publish_busy()
         if output is None:
-            self._split_after_oom(batch)
+            if out_of_memory:
+                self._split_after_oom(batch)
+            else:
+                self._rerun_each_request(batch)
             return
         seconds = time.perf_counter() - started
         self.record_pace(seconds, sum(lengths))
@@ -400,6 +402,17 @@ class Batcher:
             token_embeddings=any(item.ticket.wants.token_embeddings for item in batch),
             attention=batch[0].ticket.wants.attention,
         )
+
+    def _rerun_each_request(self, batch: list[WorkItem]) -> None:
+        """A failed pass that mixed requests runs each request's inputs again on their own,
+        so that only the request the model fails on gets the error; the worker carries on."""
+        requests = list(dict.fromkeys(item.ticket for item in batch))
+        if len(requests) == 1:
+            self._fail(set(requests), "the model failed on this request's inputs")
+            return
+        for ticket in requests:
+            if not ticket.abandoned:
+                self._execute([item for item in batch if item.ticket is ticket])
 
     def _split_after_oom(self, batch: list[WorkItem]) -> None:
         """Out of memory: retry in halves, down to one input, which alone then fails."""

@@ -1,5 +1,6 @@
 """Faults: a drain completes what each route accepted, a dead worker fails liveness, an
-out-of-memory batch is split down to its culprit, a failed batch fails each request alone."""
+out-of-memory batch is split down to its culprit, a failed batch fails only the request the
+model fails on, each request with an error of its own."""
 
 from __future__ import annotations
 
@@ -142,6 +143,34 @@ async def test_out_of_memory_splits_the_batch_down_to_the_culprit(tiny_checkpoin
     assert after.status_code == 500 and health.status_code == 200  # the worker carries on
 
 
+async def test_a_failed_batch_fails_only_the_request_the_model_fails_on(
+    tiny_checkpoint: Path,
+) -> None:
+    """A batch mixes requests: when its pass fails, each request runs again alone, and only
+    the one that fails alone gets the error (one bad request never fails another)."""
+    async with running_app(make_settings(tiny_checkpoint)) as (app, client):
+        gate = GatedForward(service_of(app))
+        batcher = service_of(app).batcher
+        assert batcher is not None
+        gate.fail_when = lambda batch: any(FOX in ids for ids in batch)
+        held = await gate.hold(client, "dog")
+        texts = ["hello", "fox", ["world", "quick"]]
+        tasks = [asyncio.create_task(client.post("/embed", json={"inputs": t})) for t in texts]
+        await wait_until(lambda: batcher.depth == 4)
+        gate.gate.set()
+        hello, fox, pair = await asyncio.gather(*tasks)
+        await held
+        batches = gate.batches[1:]
+        health = await client.get("/health")
+    assert fox.status_code == 500 and fox.json()["error_type"] == "Backend"
+    assert fox.json()["error"].startswith("the model failed on this request's inputs")
+    assert hello.status_code == 200 and pair.status_code == 200
+    assert len(pair.json()) == 2
+    # The mixed batch, then each request's inputs alone, in the order they came.
+    assert [len(batch) for batch in batches] == [4, 1, 1, 2]
+    assert health.status_code == 200
+
+
 async def test_a_failed_batch_gives_each_request_its_own_error(
     tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -172,7 +201,7 @@ async def test_a_failed_batch_gives_each_request_its_own_error(
         batcher.stop()
         compute.close()
     assert len({id(error) for error in errors}) == 3
-    assert all(error.message == "the model failed on this input's batch" for error in errors)
+    assert all(error.message == "the model failed on this request's inputs" for error in errors)
 
 
 async def test_inputs_dropped_for_gone_clients_leave_the_queue_gauges_at_zero(
