@@ -28,7 +28,7 @@ class AttentionQuery:
 @dataclass(frozen=True, slots=True)
 class EncodeOptions:
     truncate: bool | None = None  # None: the server's auto_truncate
-    direction: Direction = "right"
+    direction: Direction | None = None  # None: the model's truncation side
     prompt_name: str | None = None  # None: the model's default prompt; "": none
     normalize: bool = True
     dimensions: int | None = None

@@ -78,28 +78,33 @@ def as_list(inputs: Inputs) -> list[RawInput]:
 
 TruncationDirection = Literal["right", "left", "Right", "Left"]
 TRUNCATE_DESCRIPTION = "Cut inputs longer than the model's limit; null: the server default."
-DIRECTION_DESCRIPTION = "Which end of a long input is cut."
+DIRECTION_DESCRIPTION = (
+    "Which end of a long input is cut; null: the model's own side (its tokenizer config's "
+    "truncation_side, right unless the folder says otherwise)."
+)
 PROMPT_DESCRIPTION = (
     "A prompt from the model's sentence-transformers config, prepended; null: the model's "
     "default prompt, if it has one; an empty string: no prompt."
 )
 
 
-def direction_of(value: TruncationDirection) -> Direction:
-    return "left" if value.lower() == "left" else "right"
+def direction_of(value: TruncationDirection | None) -> Direction | None:
+    return None if value is None else "left" if value.lower() == "left" else "right"
 
 
 class TruncatingRequest(Request):
     inputs: Inputs = Field(description=INPUTS_DESCRIPTION)
     truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
-    truncation_direction: TruncationDirection = Field("right", description=DIRECTION_DESCRIPTION)
+    truncation_direction: TruncationDirection | None = Field(
+        None, description=DIRECTION_DESCRIPTION
+    )
     prompt_name: PromptName | None = Field(None, description=PROMPT_DESCRIPTION)
 
     def inputs_list(self) -> list[RawInput]:
         return as_list(self.inputs)
 
     @property
-    def direction(self) -> Direction:
+    def direction(self) -> Direction | None:
         return direction_of(self.truncation_direction)
 
     def options(self) -> EncodeOptions:
@@ -143,7 +148,9 @@ class SimilarityInput(Request):
 
 class SimilarityParameters(Request):
     truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
-    truncation_direction: TruncationDirection = Field("right", description=DIRECTION_DESCRIPTION)
+    truncation_direction: TruncationDirection | None = Field(
+        None, description=DIRECTION_DESCRIPTION
+    )
     prompt_name: PromptName | None = Field(None, description=PROMPT_DESCRIPTION)
 
 
@@ -208,7 +215,9 @@ class PredictRequest(Request):
         )
     )
     truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
-    truncation_direction: TruncationDirection = Field("right", description=DIRECTION_DESCRIPTION)
+    truncation_direction: TruncationDirection | None = Field(
+        None, description=DIRECTION_DESCRIPTION
+    )
     raw_scores: StrictBool = Field(
         False, description="Logits as they are; else a softmax over the labels (a sigmoid for one)."
     )
@@ -252,7 +261,9 @@ class RerankRequest(Request):
         description="Texts to rank."
     )
     truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
-    truncation_direction: TruncationDirection = Field("right", description=DIRECTION_DESCRIPTION)
+    truncation_direction: TruncationDirection | None = Field(
+        None, description=DIRECTION_DESCRIPTION
+    )
     raw_scores: StrictBool = Field(False, description="The logit as it is; else its sigmoid.")
     return_text: StrictBool = Field(False, description="Return each text with its score.")
 

@@ -146,7 +146,7 @@ class Embedder:
         inputs: Sequence[TokenizerInput],
         *,
         truncate: bool = True,
-        direction: Direction = "right",
+        direction: Direction | None = None,
         prompt_name: str | None = None,
         add_special_tokens: bool = True,
     ) -> list[Encoded]:
@@ -163,7 +163,7 @@ class Embedder:
         pairs: Sequence[tuple[str, str]],
         *,
         truncate: bool = True,
-        direction: Direction = "right",
+        direction: Direction | None = None,
     ) -> list[Encoded]:
         """Pairs of texts (a query and a text, for a cross-encoder) by the tokenizer's pair
         template, cut longest-first as transformers does."""

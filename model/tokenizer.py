@@ -14,9 +14,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+import orjson
 from tokenizers import Encoding, Tokenizer, normalizers
 
-from model.errors import InputError, InputTooLongError, TokenIdError
+from model.checkpoint import read_json_object
+from model.errors import ConfigError, InputError, InputTooLongError, TokenIdError
 
 Direction = Literal["right", "left"]
 TokenizerInput = str | Sequence[int]
@@ -48,14 +50,37 @@ class Encoded:
     type_ids: list[int] | None = None
 
 
+def truncation_side(tokenizer_json: str, config: Path) -> Direction:
+    """The side transformers cuts on when a call names none, as sentence-transformers calls it:
+    tokenizer_config.json's `truncation_side`, else the truncation saved in tokenizer.json,
+    else the right."""
+    side = read_json_object(config, required=False).get("truncation_side")
+    source = f"{config}: key 'truncation_side'"
+    if side is None:
+        saved = orjson.loads(tokenizer_json).get("truncation") or {}
+        side = str(saved.get("direction", "right")).lower()
+        source = f"{config.with_name('tokenizer.json')}: key 'truncation.direction'"
+    if side not in ("right", "left"):
+        raise ConfigError(f"{source}: unsupported truncation side {side!r} (right or left)")
+    return "left" if side == "left" else "right"
+
+
 class TextTokenizer:
     """Thread-safe: each truncation setting has its own immutable `Tokenizer`."""
 
     def __init__(
-        self, tokenizer_json: str, max_length: int, vocab_size: int, *, lowercase: bool = False
+        self,
+        tokenizer_json: str,
+        max_length: int,
+        vocab_size: int,
+        *,
+        lowercase: bool = False,
+        truncation_side: Direction = "right",
     ) -> None:
         self.max_length = max_length
         self.vocab_size = vocab_size
+        # The side a request that names none is cut on.
+        self.truncation_side = truncation_side
         self._lowercase = lowercase
         self._untruncated = self._configured(tokenizer_json, None)
         self._truncating: dict[Direction, Tokenizer] = {
@@ -74,7 +99,12 @@ class TextTokenizer:
     def from_file(
         cls, path: Path, max_length: int, vocab_size: int, *, lowercase: bool = False
     ) -> TextTokenizer:
-        return cls(path.read_text(encoding="utf-8"), max_length, vocab_size, lowercase=lowercase)
+        """`path` is a tokenizer.json; its folder's tokenizer_config.json may name the side."""
+        tokenizer_json = path.read_text(encoding="utf-8")
+        side = truncation_side(tokenizer_json, path.with_name("tokenizer_config.json"))
+        return cls(
+            tokenizer_json, max_length, vocab_size, lowercase=lowercase, truncation_side=side
+        )
 
     def _configured(self, tokenizer_json: str, direction: Direction | None) -> Tokenizer:
         # tokenizer.json files often carry padding and truncation from training; drop both.
@@ -96,12 +126,13 @@ class TextTokenizer:
         inputs: Sequence[TokenizerInput],
         *,
         truncate: bool = True,
-        direction: Direction = "right",
+        direction: Direction | None = None,
         add_special_tokens: bool = True,
         prompt: str = "",
     ) -> list[Encoded]:
         """Texts (with `prompt` in front) go through the tokenizer in one batch call; id lists
-        are checked and cut."""
+        are checked and cut (on `direction`, by default the model's side)."""
+        direction = direction or self.truncation_side
         results: list[Encoded] = []
         texts: list[tuple[int, str]] = []
         for index, item in enumerate(inputs):
@@ -121,14 +152,16 @@ class TextTokenizer:
         pairs: Sequence[tuple[str, str]],
         *,
         truncate: bool = True,
-        direction: Direction = "right",
+        direction: Direction | None = None,
     ) -> list[Encoded]:
         """Each pair by the tokenizer's pair template (type ids set), cut longest-first on
-        `direction` as `tokenizers` (and so transformers) cuts pairs.
+        `direction` (by default the model's side) as `tokenizers` (and so transformers) cuts
+        pairs.
 
         The cut is made here, not by `tokenizers`: it builds every pair of the two texts'
         overflowing pieces, which for two long texts grows with the product of their lengths.
         """
+        direction = direction or self.truncation_side
         texts: list[str] = []
         for index, (first, second) in enumerate(pairs):
             check_unicode(index, first)
