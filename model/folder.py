@@ -560,7 +560,8 @@ def _metadata_settings(metadata: _Metadata, task: Task) -> dict[str, Any]:
 def _config_score_activation(path: Path, config: Mapping[str, Any]) -> ScoreActivation | None:
     """Where CrossEncoders saved by sentence-transformers up to 5.3 keep their activation:
     config.json's `sentence_transformers.activation_fn` (from 4.0), or
-    `sbert_ce_default_activation_function` (before)."""
+    `sbert_ce_default_activation_function` (before); for a plain transformers classifier, its
+    `problem_type`: multi-label scores each label by its own sigmoid (transformers' pipeline)."""
     settings = config.get("sentence_transformers")
     if isinstance(settings, dict) and settings.get("activation_fn") is not None:
         source = f"{path}: key 'sentence_transformers.activation_fn'"
@@ -568,6 +569,9 @@ def _config_score_activation(path: Path, config: Mapping[str, Any]) -> ScoreActi
     if config.get("sbert_ce_default_activation_function") is not None:
         source = f"{path}: key 'sbert_ce_default_activation_function'"
         return _score_activation(source, config["sbert_ce_default_activation_function"])
+    if config.get("problem_type") == "multi_label_classification":
+        source = f"{path}: key 'problem_type' (multi_label_classification)"
+        return ScoreActivation("Sigmoid", source)
     return None
 
 

@@ -244,6 +244,11 @@ def cross_encoder_files(folder: Path) -> None:
             {"sentence_transformers": {"activation_fn": "my_module.Scaled"}},
             "key 'sentence_transformers.activation_fn': unsupported score activation",
         ),
+        (
+            "config.json",
+            {"problem_type": "multi_label_classification"},
+            "key 'problem_type' (multi_label_classification): Sigmoid over 3 labels",
+        ),
     ],
 )
 def test_unsupported_cross_encoder_settings_are_refused(
