@@ -71,7 +71,7 @@ def test_a_request_naming_no_side_is_cut_where_transformers_cuts(
 
 def test_an_unknown_truncation_side_is_refused_naming_the_key(tmp_path: Path) -> None:
     path = tokenizer_folder(tmp_path, {"truncation_side": "middle"}, None)
-    with pytest.raises(ConfigError, match="tokenizer_config.json: key 'truncation_side'"):
+    with pytest.raises(ConfigError, match=r"tokenizer_config\.json: key 'truncation_side'"):
         TextTokenizer.from_file(path, 6, len(TINY_VOCAB))
 
 
