@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from app.service import DisconnectWatch, EmbeddingService
+from app.service import DisconnectWatch, EmbeddingService, watch_disconnect
 
 # Dependencies are `async def` although they never await: FastAPI runs plain `def` ones in
 # its thread pool, a thread hop per dependency per request.
@@ -18,14 +18,7 @@ async def get_service(request: Request) -> EmbeddingService:
 
 
 async def disconnect_watch(request: Request) -> DisconnectWatch:
-    """A coroutine factory that completes when the client goes away."""
-
-    async def disconnected() -> None:
-        # The body has been read, so the next message can only be the disconnect.
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    return disconnected
+    return watch_disconnect(request.receive)
 
 
 ServiceDep = Annotated[EmbeddingService, Depends(get_service)]

@@ -70,6 +70,20 @@ class UnsupportedMediaError(ServiceError):
     status, error_type, openai_type = 415, "UnsupportedMediaType", "invalid_request_error"
 
 
+def is_json(content_type: str) -> bool:
+    """Whether a Content-Type is JSON as FastAPI reads bodies: application/json or
+    application/*+json."""
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+def require_json(content_type: str) -> None:
+    if not is_json(content_type):
+        raise UnsupportedMediaError(f"expected Content-Type application/json, got {content_type!r}")
+
+
 class ValidationFailedError(ServiceError):
     """A field is invalid."""
 

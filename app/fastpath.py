@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from app.routes import classify, encode, openai, sparse, tei
-from app.service import DisconnectWatch, EmbeddingService
+from app.service import DisconnectWatch, EmbeddingService, watch_disconnect
 
 Endpoint = Callable[[Any, EmbeddingService, DisconnectWatch], Awaitable[Response]]
 
@@ -48,17 +48,6 @@ FAST_ROUTES: Mapping[tuple[str, str], FastRoute] = {
     ("POST", "/rerank"): _route(classify.rerank),
     ("POST", "/embed_sparse"): _route(sparse.embed_sparse),
 }
-
-
-def watch_disconnect(receive: Receive) -> DisconnectWatch:
-    """A coroutine factory that completes when the client goes away."""
-
-    async def disconnected() -> None:
-        # The body has been read, so the next message can only be the disconnect.
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    return disconnected
 
 
 async def dispatch(

@@ -17,6 +17,7 @@ from app.errors import (
     ServiceError,
     UnsupportedMediaError,
     ValidationFailedError,
+    is_json,
 )
 from app.metrics import Metrics
 from app.responses import JSONResponse
@@ -67,7 +68,7 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     errors = exc.errors()
     content_type = request.headers.get("content-type", "")
     error: ServiceError
-    if not content_type.split(";")[0].strip().endswith("json"):
+    if not is_json(content_type):
         error = UnsupportedMediaError(
             f"expected Content-Type application/json, got {content_type!r}"
         )

@@ -27,6 +27,7 @@ from app.errors import (
     ServiceError,
     SlowBodyError,
     UnauthorizedError,
+    is_json,
 )
 from app.fastpath import FastRoute, dispatch
 from app.handlers import render_error
@@ -114,13 +115,14 @@ class ServiceMiddleware:
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 raw, receive = await self._read_body(headers, receive)
                 fast = self.fast_routes.get((scope["method"], path))
-                if fast is not None and _is_json(headers):
+                content_type = headers.get(b"content-type", b"")
+                if fast is not None and is_json(content_type.decode("latin-1")):
                     response = await dispatch(fast, raw, self.service, receive)
                     if response is not None:
                         await response(scope, receive, send_with_id)
                         return
             await self.app(scope, receive, send_with_id)
-        except ServiceError as error:  # raised here, before any route ran
+        except ServiceError as error:  # raised here (limits, the API key) or by a fast route
             response = render_error(self.metrics, path, error, request_id)
             await response(scope, receive, send_with_id)
         except Exception:
@@ -201,8 +203,3 @@ class ServiceMiddleware:
         return PayloadTooLargeError(
             f"the body is over the payload limit of {self.payload_limit} bytes"
         )
-
-
-def _is_json(headers: dict[bytes, bytes]) -> bool:
-    media = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-    return media == b"application/json"

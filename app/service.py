@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from starlette.types import Receive
 
 from app.batcher import Batcher, ItemResult, Ticket, Wants
 from app.compute import ComputeThread
@@ -32,7 +33,7 @@ from app.limits import Limits
 from app.metrics import Metrics
 from app.params import EncodeOptions, RawInput
 from app.settings import Settings
-from app.tokenization import Input, Tokenization, characters, prompt_of
+from app.tokenization import Input, Tokenization, characters
 from model import AttentionSpec, Embedder, Encoded, ModelInfo, Task
 from model.similarity import similarity
 
@@ -43,6 +44,17 @@ TASK_NAMES = {Task.EMBED: "an embedding", Task.CLASSIFY: "a classifier", Task.SP
 
 # Makes a coroutine that completes when the client goes away.
 DisconnectWatch = Callable[[], Coroutine[Any, Any, None]]
+
+
+def watch_disconnect(receive: Receive) -> DisconnectWatch:
+    """The watch over a request whose body has been read."""
+
+    async def disconnected() -> None:
+        # The body has been read, so the next message can only be the disconnect.
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    return disconnected
 
 
 def warm_up_batch(embedder: Embedder) -> list[Encoded]:
@@ -256,7 +268,7 @@ class EmbeddingService:
         encoded, _ = await self.tokenization.run(
             embedder, inputs, options, add_special_tokens=add_special_tokens
         )
-        prompt = prompt_of(embedder, options)
+        prompt = embedder.prompt(options.prompt_name)  # known good: tokenizing checked it
         texts = [prompt + item if isinstance(item, str) else item for item in inputs]
         return Tokenized(texts, encoded)
 
@@ -336,10 +348,7 @@ class EmbeddingService:
                         f"vocabulary [0, {vocabulary})",
                         param="ids",
                     )
-        return [
-            embedder.tokenizer.decode(sequence, skip_special_tokens=skip_special_tokens)
-            for sequence in ids
-        ]
+        return embedder.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _enter(self) -> Embedder:
         """Count an accepted request, so that a drain waits for it."""

@@ -30,13 +30,6 @@ TOKEN_ID_HINT = (
 Input = RawInput | TextPair
 
 
-def prompt_of(embedder: Embedder, options: EncodeOptions) -> str:
-    try:
-        return embedder.prompt(options.prompt_name)
-    except PromptError as exc:
-        raise ValidationFailedError(str(exc), param="prompt_name") from exc
-
-
 def characters(item: Input) -> int:
     return sum(map(len, item)) if isinstance(item, tuple) else len(item)
 
@@ -71,15 +64,14 @@ class Tokenization:
     ) -> tuple[list[Encoded], float]:
         """Every input encoded, in order; also the seconds it took."""
         truncate = self.auto_truncate if options.truncate is None else options.truncate
-        prompt = prompt_of(embedder, options)
 
         def encode_singles(items: Sequence[RawInput]) -> list[Encoded]:
-            return embedder.tokenizer.encode(
+            return embedder.tokenize(
                 items,
                 truncate=truncate,
                 direction=options.direction,
+                prompt_name=options.prompt_name,
                 add_special_tokens=add_special_tokens,
-                prompt=prompt,
             )
 
         def encode() -> list[Encoded]:
@@ -108,6 +100,8 @@ class Tokenization:
                 encoded = encode()
             else:
                 encoded = await asyncio.get_running_loop().run_in_executor(self._pool, encode)
+        except PromptError as exc:
+            raise ValidationFailedError(str(exc), param="prompt_name") from exc
         except TokenIdError as exc:
             raise ValidationFailedError(f"{exc}; {TOKEN_ID_HINT}", param="input") from exc
         except InputError as exc:

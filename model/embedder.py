@@ -169,6 +169,13 @@ class Embedder:
         template, cut longest-first as transformers does."""
         return self.tokenizer.encode_pairs(pairs, truncate=truncate, direction=direction)
 
+    def decode(self, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool) -> list[str]:
+        """Token ids back to text, a list per sequence; the ids must be in the vocabulary."""
+        return [
+            self.tokenizer.decode(sequence, skip_special_tokens=skip_special_tokens)
+            for sequence in ids
+        ]
+
     def forward(
         self,
         batch: Sequence[ModelInput],

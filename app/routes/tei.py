@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from app.dependencies import DisconnectDep, ServiceDep
-from app.errors import UnsupportedMediaError
+from app.errors import require_json
 from app.responses import JSONResponse, render, timing_headers
 from app.routes import classify, sparse
 from app.routes.errors import error_responses
@@ -102,10 +102,7 @@ async def main_task(request: Request, service: ServiceDep, disconnected: Disconn
     when the body is {"inputs": {source_sentence, sentences}} (what its sentence_similarity
     sends), else /embed."""
     raw = await request.body()
-    if not request.headers.get("content-type", "").split(";")[0].strip().endswith("json"):
-        raise UnsupportedMediaError(
-            f"expected Content-Type application/json, got {request.headers.get('content-type')!r}"
-        )
+    require_json(request.headers.get("content-type", ""))
     info = service.info
     if info.task is Task.CLASSIFY and len(info.labels) == 1:
         return await classify.rerank(parse(RerankRequest, raw), service, disconnected)

@@ -243,6 +243,25 @@ async def test_bad_input_gets_its_status_and_shape(
         assert (await client.get("/health")).status_code == 200
 
 
+async def test_json_media_types_are_read_as_fastapi_reads_them(tiny_checkpoint: Path) -> None:
+    """application/json (with parameters) and application/*+json are JSON on the fast path,
+    the routers and the TEI root alike; text/json is not."""
+    body = b'{"inputs": "hello"}'
+    statuses: dict[tuple[str, str], int] = {}
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        for path in ("/embed", "/"):
+            for media in ("application/json; charset=utf-8", "application/vnd.api+json"):
+                answer = await client.post(path, content=body, headers={"content-type": media})
+                statuses[path, media] = answer.status_code
+            answer = await client.post(path, content=body, headers={"content-type": "text/json"})
+            statuses[path, "text/json"] = answer.status_code
+    assert statuses == {
+        (path, media): 415 if media == "text/json" else 200
+        for path in ("/embed", "/")
+        for media in ("application/json; charset=utf-8", "application/vnd.api+json", "text/json")
+    }
+
+
 async def test_errors_name_the_limit_and_the_size(tiny_checkpoint: Path) -> None:
     async with running_app(make_settings(tiny_checkpoint, **LIMITS)) as (_, client):
         attention = await client.post("/encode", json={"inputs": LONG, "attention": {}})
