@@ -31,11 +31,10 @@ from app.cores import CoreLease
 from app.errors import BackendError, OverloadedError, ServiceError
 from app.memory import Trimmer
 from app.metrics import Metrics
-from model import AttentionSpec, BatchOutput, Embedder, Encoded, Task, finish
+from model import AttentionSpec, BatchOutput, Embedder, Encoded, FloatArray, Task, finish
 
 log = logging.getLogger(__name__)
 
-FloatArray = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.int64]
 # How far past the oldest input the worker looks for inputs of a similar length.
 WINDOW_FACTOR = 4

@@ -114,11 +114,18 @@ def _not_unicode(errors: Sequence[Any]) -> ValidationFailedError | None:
 def _first_problem(errors: Sequence[Any]) -> ValidationFailedError:
     loc = [str(part) for part in errors[0].get("loc", ()) if part != "body"]
     field = loc[0] if loc else None
-    if field in ("inputs", "input"):
+    if field in ("inputs", "input") and _is_union_error(loc):
         # A union: pydantic reports one error per branch, none of which says what would fit.
         return ValidationFailedError(f"{field}: expected {INPUTS_DESCRIPTION.lower()}", param=field)
     where = ".".join(loc)
     return ValidationFailedError(f"{where or 'body'}: {errors[0].get('msg')}", param=where or None)
+
+
+def _is_union_error(loc: Sequence[str]) -> bool:
+    """pydantic names a union's branch after the field, by its type ("constrained-str",
+    "list[...]"), never a Python name as a field of a nested model is (a similarity body's
+    inputs.sentences, say), whose own message says what is wrong."""
+    return len(loc) > 1 and not loc[1].isidentifier()
 
 
 async def on_http_error(request: Request, exc: Exception) -> JSONResponse:

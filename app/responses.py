@@ -13,15 +13,14 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import numpy as np
-import numpy.typing as npt
 import orjson
 from starlette.responses import JSONResponse as StarletteJSONResponse
 from starlette.responses import Response
 
 from app.service import EncodeResult
+from model import FloatArray
 
 Encoding = Literal["float", "base64"]
-FloatArray = npt.NDArray[np.float32]
 # Numbers past which a body is rendered off the event loop (about 1 ms of orjson's time).
 OFF_LOOP_VALUES = 100_000
 

@@ -160,9 +160,6 @@ class SimilarityRequest(Request):
     inputs: SimilarityInput
     parameters: SimilarityParameters | None = None
 
-    def texts(self) -> list[RawInput]:
-        return [self.inputs.source_sentence, *self.inputs.sentences]
-
     def options(self) -> EncodeOptions:
         parameters = self.parameters or SimilarityParameters()
         return EncodeOptions(

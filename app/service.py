@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 from starlette.types import Receive
 
 from app.batcher import Batcher, ItemResult, Ticket, Wants
@@ -34,12 +33,11 @@ from app.metrics import Metrics
 from app.params import EncodeOptions, RawInput
 from app.settings import Settings
 from app.tokenization import Input, Tokenization, characters
-from model import AttentionSpec, Embedder, Encoded, ModelInfo, Task
+from model import AttentionSpec, Embedder, Encoded, FloatArray, ModelInfo, Task
 from model.similarity import similarity
 
 log = logging.getLogger(__name__)
 
-FloatArray = npt.NDArray[np.float32]
 TASK_NAMES = {Task.EMBED: "an embedding", Task.CLASSIFY: "a classifier", Task.SPARSE: "a sparse"}
 
 # Makes a coroutine that completes when the client goes away.
@@ -276,6 +274,16 @@ class EmbeddingService:
         """424 when the loaded model does not do what a route needs."""
         info = self.check_ready().info
         _require_task(info, task)
+        return info
+
+    def check_reranker(self) -> ModelInfo:
+        """424 unless the loaded model is a classifier with one label, as /rerank needs."""
+        info = self.check_task(Task.CLASSIFY)
+        if len(info.labels) != 1:
+            raise WrongTaskError(
+                f"this route needs a reranker (a classifier with one label); the loaded model "
+                f"has {len(info.labels)} labels: use /predict"
+            )
         return info
 
     async def encode(

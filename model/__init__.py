@@ -13,7 +13,7 @@ from model.errors import (
     TokenIdError,
 )
 from model.heads import Task
-from model.pipeline import PoolingMode, finish
+from model.pipeline import FloatArray, PoolingMode, finish
 from model.resolve import DEFAULT_MODEL_ID
 from model.tokenizer import Direction, Encoded
 
@@ -27,6 +27,7 @@ __all__ = [
     "Embedder",
     "Encoded",
     "EncoderConfig",
+    "FloatArray",
     "InputError",
     "InputTooLongError",
     "ModelError",

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# Vectors as the serving layer hands them on: float32 numpy arrays.
 FloatArray = npt.NDArray[np.float32]
 
 

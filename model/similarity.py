@@ -8,11 +8,10 @@ similar in every case.
 from __future__ import annotations
 
 import numpy as np
-import numpy.typing as npt
 
 from model.errors import ConfigError
+from model.pipeline import FloatArray
 
-FloatArray = npt.NDArray[np.float32]
 SIMILARITY_FUNCTIONS = ("cosine", "dot", "euclidean", "manhattan")
 
 

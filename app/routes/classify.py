@@ -6,13 +6,11 @@ import numpy as np
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from app.batcher import FloatArray
 from app.dependencies import DisconnectDep, ServiceDep
-from app.errors import WrongTaskError
 from app.responses import JSONResponse, timing_headers
 from app.routes.errors import error_responses
 from app.schemas import Prediction, PredictRequest, Rank, RerankRequest
-from model import Task
+from model import FloatArray, Task
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=error_responses())
 
@@ -56,12 +54,7 @@ async def predict(
     summary="Texts ranked by their relevance to a query (a cross-encoder with one label)",
 )
 async def rerank(body: RerankRequest, service: ServiceDep, disconnected: DisconnectDep) -> Response:
-    info = service.check_task(Task.CLASSIFY)
-    if len(info.labels) != 1:
-        raise WrongTaskError(
-            f"this route needs a reranker (a classifier with one label); the loaded model has "
-            f"{len(info.labels)} labels: use /predict"
-        )
+    service.check_reranker()
     result = await service.encode(body.pairs(), body.options(), disconnected, Task.CLASSIFY)
     logits = np.array([item.scores[0] for item in result.items if item.scores is not None])
     scores = probabilities(logits[:, None], body.raw_scores)[:, 0]

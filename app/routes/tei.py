@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
@@ -110,11 +111,18 @@ async def main_task(request: Request, service: ServiceDep, disconnected: Disconn
         return await classify.predict(parse(PredictRequest, raw), service, disconnected)
     if info.task is Task.SPARSE:
         return await sparse.embed_sparse(parse(EmbedSparseRequest, raw), service, disconnected)
+    if _inputs_is_an_object(raw):
+        return await similarity(parse(SimilarityRequest, raw), service, disconnected)
+    return await embed(parse(EmbedRequest, raw), service, disconnected)
+
+
+def _inputs_is_an_object(raw: bytes) -> bool:
+    """{"inputs": {...}} can only be a similarity body: its errors are then /similarity's."""
     try:
-        pair = SimilarityRequest.model_validate_json(raw)
-    except ValidationError:
-        return await embed(parse(EmbedRequest, raw), service, disconnected)
-    return await similarity(pair, service, disconnected)
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return False  # /embed's parser says it is not JSON
+    return isinstance(body, dict) and isinstance(body.get("inputs"), dict)
 
 
 Model = TypeVar("Model", bound=BaseModel)

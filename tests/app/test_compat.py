@@ -23,6 +23,8 @@ async def test_post_root_is_embed_or_similarity_by_body_shape(tiny_checkpoint: P
         similar = await client.post("/", json=pair)
         direct = await client.post("/similarity", json=pair)
         bad = await client.post("/", json={"inputs": {"source_sentence": "a"}})
+        empty = {"inputs": {"source_sentence": "", "sentences": ["a"]}}
+        empty_root, empty_direct = [await client.post(p, json=empty) for p in ("/", "/similarity")]
         home = await client.get("/")
     assert root.status_code == 200 and np.allclose(root.json(), embed, atol=1e-6)
     vectors = np.array(embed)
@@ -30,6 +32,10 @@ async def test_post_root_is_embed_or_similarity_by_body_shape(tiny_checkpoint: P
     assert similar.status_code == 200 and np.allclose(similar.json(), want, atol=1e-5)
     assert direct.json() == similar.json()
     assert bad.status_code == 422 and bad.json()["error_type"] == "Validation"
+    assert "sentences" in bad.json()["error"]
+    # A similarity body's errors are /similarity's, not /embed's ("inputs: expected a string").
+    assert empty_root.status_code == empty_direct.status_code != 200
+    assert empty_root.json()["error"] == empty_direct.json()["error"]
     assert home.status_code == 200 and home.headers["content-type"].startswith("text/html")
 
 

@@ -9,7 +9,10 @@ from model import Embedder
 from model.cuda_graphs import all_buckets
 from tests.model.test_parity_sentence_transformers import varied_sentences
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
