@@ -4,7 +4,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
-TORCH := torch==2.13.0
+# Where torch comes from: empty, pip's own configuration (this project's machines hold the
+# CPU wheel); elsewhere https://download.pytorch.org/whl/cpu, since PyPI's default torch for
+# Linux is the multi-GB CUDA build.
+TORCH_INDEX_URL ?=
+TORCH := torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 # Debian packages the tests drive for real (installed when missing; needs root or sudo):
 # haproxy and prometheus run deploy/'s files in tests/deploy/test_compose_topology.py,
 # chromium is driven by tests/browser, wrk loads the server in the soak test.
