@@ -115,7 +115,7 @@ def bodies(load: Load) -> list[str]:
 class LoadRun:
     wrk: WrkResult
     event_loop_ms: float  # CPU per text on the server's event loops
-    other_ms: float  # CPU per text on its other threads: the model, tokenization
+    other_ms: float  # CPU per text on its other threads: the model (spin-waits included)
     batch_inputs: float  # mean inputs per forward pass
     padding: float  # mean padded share of a forward pass's tokens
 
