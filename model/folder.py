@@ -31,6 +31,7 @@ from model.errors import ConfigError
 from model.heads import Splade, Task
 from model.pipeline import ACTIVATIONS, DenseSpec, Pooling, PoolingMode
 from model.similarity import check_similarity_fn
+from model.tokenizer import Direction
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,8 @@ class FolderSpec:
     score_activation: ScoreActivation | None = None
     max_seq_length: int | None = None
     do_lower_case: bool = False
+    # tokenizer_config.json's truncation_side; None: what tokenizer.json saved, else the right.
+    truncation_side: Direction | None = None
     prompts: Mapping[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     similarity_fn_name: str = "cosine"
@@ -446,15 +449,21 @@ def _transformer_settings(folder: Path, task: Task, kind: str = "Transformer") -
         raise ConfigError(
             f"{path}: unsupported modality_config {modality!r} (text only, from {model_output!r})"
         )
+    tokenizer_path = folder / "tokenizer_config.json"
+    tokenizer_config = read_json_object(tokenizer_path, required=False)
     max_seq_length = raw.get("max_seq_length")
     if max_seq_length is None:
-        max_seq_length = _tokenizer_max_length(folder / "tokenizer_config.json")
+        max_seq_length = _tokenizer_max_length(tokenizer_config)
     elif not isinstance(max_seq_length, int) or max_seq_length <= 0:
         raise ConfigError(f"{path}: key 'max_seq_length' must be a positive integer")
     do_lower_case = raw.get("do_lower_case", False)
     if not isinstance(do_lower_case, bool):
         raise ConfigError(f"{path}: key 'do_lower_case' must be true or false")
-    return {"max_seq_length": max_seq_length, "do_lower_case": do_lower_case}
+    return {
+        "max_seq_length": max_seq_length,
+        "do_lower_case": do_lower_case,
+        "truncation_side": _truncation_side(tokenizer_path, tokenizer_config),
+    }
 
 
 def _read_transformer_config(folder: Path) -> tuple[Path, dict[str, Any]]:
@@ -484,13 +493,22 @@ def _read_splade(path: Path) -> tuple[Splade, int | None]:
     return splade, dimension
 
 
-def _tokenizer_max_length(path: Path) -> int | None:
+def _tokenizer_max_length(tokenizer_config: Mapping[str, Any]) -> int | None:
     """sentence-transformers 6 keeps max_seq_length as the tokenizer's `model_max_length`."""
-    value = read_json_object(path, required=False).get("model_max_length")
+    value = tokenizer_config.get("model_max_length")
     # transformers writes a huge sentinel (1e30) when the limit is unset.
     if isinstance(value, int) and 0 < value < 1_000_000:
         return value
     return None
+
+
+def _truncation_side(path: Path, tokenizer_config: Mapping[str, Any]) -> Direction | None:
+    """The side transformers (which sentence-transformers calls) cuts on when a call names
+    none, if tokenizer_config.json says it."""
+    side = tokenizer_config.get("truncation_side")
+    if side not in (None, "right", "left"):
+        raise ConfigError(f"{path}: unsupported truncation_side {side!r} (right or left)")
+    return side
 
 
 def _read_metadata(path: Path) -> _Metadata:

@@ -110,7 +110,11 @@ def load_model(
     if not tokenizer_file.is_file():
         raise ConfigError(f"{tokenizer_file}: file not found")
     tokenizer = TextTokenizer.from_file(
-        tokenizer_file, max_tokens, config.vocab_size, lowercase=spec.do_lower_case
+        tokenizer_file,
+        max_tokens,
+        config.vocab_size,
+        lowercase=spec.do_lower_case,
+        truncation_side=spec.truncation_side,
     )
     info = ModelInfo(
         model_id=model_id or str(folder),

@@ -17,8 +17,7 @@ from typing import Literal
 import orjson
 from tokenizers import Encoding, Tokenizer, normalizers
 
-from model.checkpoint import read_json_object
-from model.errors import ConfigError, InputError, InputTooLongError, TokenIdError
+from model.errors import InputError, InputTooLongError, TokenIdError
 
 Direction = Literal["right", "left"]
 TokenizerInput = str | Sequence[int]
@@ -50,21 +49,6 @@ class Encoded:
     type_ids: list[int] | None = None
 
 
-def truncation_side(tokenizer_json: str, config: Path) -> Direction:
-    """The side transformers cuts on when a call names none, as sentence-transformers calls it:
-    tokenizer_config.json's `truncation_side`, else the truncation saved in tokenizer.json,
-    else the right."""
-    side = read_json_object(config, required=False).get("truncation_side")
-    source = f"{config}: key 'truncation_side'"
-    if side is None:
-        saved = orjson.loads(tokenizer_json).get("truncation") or {}
-        side = str(saved.get("direction", "right")).lower()
-        source = f"{config.with_name('tokenizer.json')}: key 'truncation.direction'"
-    if side not in ("right", "left"):
-        raise ConfigError(f"{source}: unsupported truncation side {side!r} (right or left)")
-    return "left" if side == "left" else "right"
-
-
 class TextTokenizer:
     """Thread-safe: each truncation setting has its own immutable `Tokenizer`."""
 
@@ -75,12 +59,16 @@ class TextTokenizer:
         vocab_size: int,
         *,
         lowercase: bool = False,
-        truncation_side: Direction = "right",
+        truncation_side: Direction | None = None,
     ) -> None:
         self.max_length = max_length
         self.vocab_size = vocab_size
-        # The side a request that names none is cut on.
-        self.truncation_side = truncation_side
+        # The side a request that names none is cut on: as transformers picks it, the folder's
+        # tokenizer_config.json (`truncation_side`), else the truncation tokenizer.json saved
+        # (which tokenizers writes as Left or Right), else the right.
+        saved = orjson.loads(tokenizer_json).get("truncation") or {}
+        saved_side: Direction = "left" if saved.get("direction") == "Left" else "right"
+        self.truncation_side = truncation_side or saved_side
         self._lowercase = lowercase
         self._untruncated = self._configured(tokenizer_json, None)
         self._truncating: dict[Direction, Tokenizer] = {
@@ -97,13 +85,20 @@ class TextTokenizer:
 
     @classmethod
     def from_file(
-        cls, path: Path, max_length: int, vocab_size: int, *, lowercase: bool = False
+        cls,
+        path: Path,
+        max_length: int,
+        vocab_size: int,
+        *,
+        lowercase: bool = False,
+        truncation_side: Direction | None = None,
     ) -> TextTokenizer:
-        """`path` is a tokenizer.json; its folder's tokenizer_config.json may name the side."""
-        tokenizer_json = path.read_text(encoding="utf-8")
-        side = truncation_side(tokenizer_json, path.with_name("tokenizer_config.json"))
         return cls(
-            tokenizer_json, max_length, vocab_size, lowercase=lowercase, truncation_side=side
+            path.read_text(encoding="utf-8"),
+            max_length,
+            vocab_size,
+            lowercase=lowercase,
+            truncation_side=truncation_side,
         )
 
     def _configured(self, tokenizer_json: str, direction: Direction | None) -> Tokenizer:

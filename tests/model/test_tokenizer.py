@@ -5,10 +5,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import transformers
 
 from model import ConfigError, Embedder, InputTooLongError, TokenIdError
-from model.tokenizer import CHARS_PER_TOKEN, CUT_MARGIN, TextTokenizer
+from model.tokenizer import CHARS_PER_TOKEN, CUT_MARGIN
 from tests.helpers import TINY_VOCAB, tiny_tokenizer
 
 LONG = " ".join(["hello world"] * 40)  # 80 words, over the tiny model's 48 tokens
@@ -34,14 +35,14 @@ def test_truncation_right_and_left(tiny_embedder: Embedder) -> None:
     assert kept.tokens[-2] == "fox"
 
 
-def tokenizer_folder(folder: Path, config: dict[str, Any], saved_side: str | None) -> Path:
-    """tokenizer.json (with a truncation saved on `saved_side`) and tokenizer_config.json."""
+def set_truncation(folder: Path, config: dict[str, Any], saved_side: str | None) -> None:
+    """A model folder's tokenizer.json (with a truncation saved on `saved_side`) and its
+    tokenizer_config.json."""
     tokenizer = tiny_tokenizer()
     if saved_side is not None:
         tokenizer.enable_truncation(8, direction=saved_side)
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder / "tokenizer.json"
 
 
 @pytest.mark.parametrize(
@@ -54,25 +55,25 @@ def tokenizer_folder(folder: Path, config: dict[str, Any], saved_side: str | Non
     ],
 )
 def test_a_request_naming_no_side_is_cut_where_transformers_cuts(
-    tmp_path: Path, config: dict[str, Any], saved_side: str | None, side: str
+    tiny_checkpoint: Path, config: dict[str, Any], saved_side: str | None, side: str
 ) -> None:
     """The folder's side (tokenizer_config.json's truncation_side, else the truncation saved
     in tokenizer.json) is the default, as in transformers, which sentence-transformers calls."""
-    path = tokenizer_folder(tmp_path, config, saved_side)
-    ours = TextTokenizer.from_file(path, 6, len(TINY_VOCAB))
+    set_truncation(tiny_checkpoint, config, saved_side)
+    ours = Embedder.from_folder(tiny_checkpoint, torch.device("cpu"), torch.float32)
+    limit = ours.info.max_input_tokens
     text = "fox " + LONG + " dog"
-    [default] = ours.encode([text])
-    reference = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path)
-    assert default.ids == reference(text, truncation=True, max_length=6)["input_ids"]
-    assert ours.truncation_side == side
+    [default] = ours.tokenize([text])
+    reference = transformers.PreTrainedTokenizerFast.from_pretrained(tiny_checkpoint)
+    assert default.ids == reference(text, truncation=True, max_length=limit)["input_ids"]
     assert ("fox" in default.tokens) == (side == "right")
     assert ("dog" in default.tokens) == (side == "left")
 
 
-def test_an_unknown_truncation_side_is_refused_naming_the_key(tmp_path: Path) -> None:
-    path = tokenizer_folder(tmp_path, {"truncation_side": "middle"}, None)
-    with pytest.raises(ConfigError, match=r"tokenizer_config\.json: key 'truncation_side'"):
-        TextTokenizer.from_file(path, 6, len(TINY_VOCAB))
+def test_an_unknown_truncation_side_is_refused_naming_the_key(tiny_checkpoint: Path) -> None:
+    set_truncation(tiny_checkpoint, {"truncation_side": "middle"}, None)
+    with pytest.raises(ConfigError, match=r"tokenizer_config\.json: unsupported truncation_side"):
+        Embedder.from_folder(tiny_checkpoint, torch.device("cpu"), torch.float32)
 
 
 def test_too_long_without_truncation_names_the_limit(tiny_embedder: Embedder) -> None:
