@@ -360,24 +360,22 @@ class Batcher:
         self.metrics.batch_tokens.observe(padded)
         self.metrics.padding_ratio.observe(1 - sum(lengths) / padded if padded else 0.0)
         started = time.perf_counter()
-        output: BatchOutput | None = None
-        out_of_memory = False
+        # After a failure, how the batch runs again: outside the `except` blocks, whose
+        # traceback holds the failed pass's tensors (the memory an OOM retry needs).
+        retry: Callable[[list[WorkItem]], None] | None = None
         try:
             output = self._forward(batch)
         except (torch.OutOfMemoryError, MemoryError):
-            # Split below: the error's traceback holds the failed pass's tensors till then.
-            out_of_memory = True
+            retry = self._split_after_oom
         except Exception:
             log.exception("forward pass failed for a batch of %d inputs", len(batch))
+            retry = self._rerun_each_request
         finally:
             with self._condition:
                 self._running_tokens = 0
                 self._publish_busy()
-        if output is None:
-            if out_of_memory:
-                self._split_after_oom(batch)
-            else:
-                self._rerun_each_request(batch)
+        if retry is not None:
+            retry(batch)
             return
         seconds = time.perf_counter() - started
         self.record_pace(seconds, sum(lengths))

@@ -69,6 +69,9 @@ class UnsupportedMediaError(ServiceError):
 
     status, error_type, openai_type = 415, "UnsupportedMediaType", "invalid_request_error"
 
+    def __init__(self, content_type: str) -> None:
+        super().__init__(f"expected Content-Type application/json, got {content_type!r}")
+
 
 def is_json(content_type: str) -> bool:
     """Whether a Content-Type is JSON as FastAPI reads bodies: application/json or
@@ -81,7 +84,7 @@ def is_json(content_type: str) -> bool:
 
 def require_json(content_type: str) -> None:
     if not is_json(content_type):
-        raise UnsupportedMediaError(f"expected Content-Type application/json, got {content_type!r}")
+        raise UnsupportedMediaError(content_type)
 
 
 class ValidationFailedError(ServiceError):

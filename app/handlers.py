@@ -69,9 +69,7 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     content_type = request.headers.get("content-type", "")
     error: ServiceError
     if not is_json(content_type):
-        error = UnsupportedMediaError(
-            f"expected Content-Type application/json, got {content_type!r}"
-        )
+        error = UnsupportedMediaError(content_type)
     elif any(e.get("type") == "json_invalid" for e in errors):
         error = MalformedRequestError("the body is not valid JSON")
     elif _is_empty_input(errors):

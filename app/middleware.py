@@ -115,8 +115,8 @@ class ServiceMiddleware:
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 raw, receive = await self._read_body(headers, receive)
                 fast = self.fast_routes.get((scope["method"], path))
-                content_type = headers.get(b"content-type", b"")
-                if fast is not None and is_json(content_type.decode("latin-1")):
+                content_type = headers.get(b"content-type", b"").decode("latin-1")
+                if fast is not None and is_json(content_type):
                     response = await dispatch(fast, raw, self.service, receive)
                     if response is not None:
                         await response(scope, receive, send_with_id)

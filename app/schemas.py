@@ -89,7 +89,9 @@ PROMPT_DESCRIPTION = (
 
 
 def direction_of(value: TruncationDirection | None) -> Direction | None:
-    return None if value is None else "left" if value.lower() == "left" else "right"
+    if value is None:
+        return None  # the model's own side
+    return "left" if value.lower() == "left" else "right"
 
 
 class TruncatingRequest(Request):
