@@ -130,8 +130,8 @@ def run_load(server: Server, load: Load, seconds: float) -> LoadRun:
         vectors=load.inputs,
         dimension=DIMENSION,
     )
-    # Read before settling, so that the probes do not count: the batches still running for
-    # wrk's last requests are left out instead, about one batch in a hundred.
+    # Read before settling, so that the probes do not count: the work still running for
+    # wrk's last requests (at most one batch per worker) is left out instead.
     cpu, batches = server.cpu() - cpu, server.batches() - batches
     server.settle()
     texts = max(result.requests * load.inputs, 1)
