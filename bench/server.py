@@ -10,8 +10,9 @@ In one run, one process at a time, for each dtype:
 Rounds alternate the two, each with a fresh server, and each figure keeps its best round:
 this machine's speed drifts by tens of percent from one minute to the next. Each server
 figure comes with its ratio to the ceiling, the server's peak RSS, where its CPU went (event
-loops against the other threads, per text) and its batches (size, padding), which tell why a
-figure falls short of the ceiling; all is printed and written to bench/results/server.json.
+loops against the other threads, per text), its batches (size, padding) and the share of the
+time its forward passes ran, which tell why a figure falls short of the ceiling; all is
+printed and written to bench/results/server.json.
 Usage: python -m bench.server [--dtypes float32 bfloat16] [--seconds 10] [--rounds 2]
                               [--device cpu|cuda] [-- SERVER FLAGS]
 """
@@ -118,6 +119,7 @@ class LoadRun:
     other_ms: float  # CPU per text on its other threads: the model (spin-waits included)
     batch_inputs: float  # mean inputs per forward pass
     padding: float  # mean padded share of a forward pass's tokens
+    busy: float  # share of the run each worker spent in forward passes
 
 
 def run_load(server: Server, load: Load, seconds: float) -> LoadRun:
@@ -141,6 +143,7 @@ def run_load(server: Server, load: Load, seconds: float) -> LoadRun:
         other_ms=cpu.rest / texts * 1000,
         batch_inputs=batches.inputs / max(batches.count, 1),
         padding=batches.padding / max(batches.count, 1),
+        busy=batches.seconds / (result.seconds * server.workers),
     )
 
 
@@ -197,7 +200,8 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
         print(
             f"    server CPU per text: event loop {best_run.event_loop_ms:.2f} ms, other "
             f"threads {best_run.other_ms:.2f} ms; {best_run.batch_inputs:.1f} inputs per "
-            f"batch, {best_run.padding:.0%} padding"
+            f"batch, {best_run.padding:.0%} padding; forward passes {best_run.busy:.0%} of the "
+            "time"
         )
         if errors:
             print(f"    first bad answer: {next(r.first_bad for r in runs if r.first_bad)}")

@@ -6,6 +6,7 @@ lua/embed.lua, which checks every answer (status, vector count, dimension).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -67,10 +68,14 @@ class Batches:
     count: float
     inputs: float
     padding: float  # sum of each batch's padded share
+    seconds: float  # sum of the forward passes' durations
 
     def __sub__(self, earlier: Batches) -> Batches:
         return Batches(
-            self.count - earlier.count, self.inputs - earlier.inputs, self.padding - earlier.padding
+            self.count - earlier.count,
+            self.inputs - earlier.inputs,
+            self.padding - earlier.padding,
+            self.seconds - earlier.seconds,
         )
 
 
@@ -86,6 +91,7 @@ class Server:
 
     def __init__(self, flags: Sequence[str], env: dict[str, str] | None = None) -> None:
         self.port = free_port()
+        self.workers = _workers(flags)
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(self.port)]
         self.process = subprocess.Popen(
@@ -134,9 +140,13 @@ class Server:
         return ServerCpu(main, rest)
 
     def batches(self) -> Batches:
-        sums = dict.fromkeys(
-            ("embed_batch_size_count", "embed_batch_size_sum", "embed_padding_ratio_sum"), 0.0
+        names = (
+            "embed_batch_size_count",
+            "embed_batch_size_sum",
+            "embed_padding_ratio_sum",
+            "embed_inference_duration_seconds_sum",
         )
+        sums = dict.fromkeys(names, 0.0)
         for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
             name, _, value = line.partition(" ")
             if name in sums:
@@ -145,6 +155,7 @@ class Server:
             count=sums["embed_batch_size_count"],
             inputs=sums["embed_batch_size_sum"],
             padding=sums["embed_padding_ratio_sum"],
+            seconds=sums["embed_inference_duration_seconds_sum"],
         )
 
     def settle(self, probes: int = 8) -> None:
@@ -165,6 +176,14 @@ class Server:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(timeout=60)
+
+
+def _workers(flags: Sequence[str]) -> int:
+    """The server processes that run forward passes: --workers, if the flags give it."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--workers", type=int, default=1)
+    workers: int = parser.parse_known_args(flags)[0].workers
+    return workers
 
 
 def _children(pid: int) -> list[int]:
