@@ -116,6 +116,10 @@ class Ticket:
 Delivery = tuple[asyncio.Future[list[ItemResult]], list[ItemResult] | ServiceError]
 
 
+def _requests_in(items: Sequence[WorkItem]) -> int:
+    return len({id(item.ticket) for item in items})
+
+
 def _overloaded(excess: float, reason: str) -> OverloadedError:
     """Retry-After: once `excess` seconds of the queue's work have drained."""
     retry_after = max(1, math.ceil(excess))
@@ -147,10 +151,11 @@ class Batcher:
         self.max_queue_wait = max_wait if max_queue_wait is None else max_queue_wait
         self.batch_wait = batch_wait
         self.cores = cores
-        # Whether the last batch served more than one request: waiting for a fuller batch
-        # pays only then. A lone client sends its next request only after its answer, so a
-        # wait for company would cost it the whole quiet gap on every request.
-        self._several_clients = False
+        # How many requests the last batch served: their clients come back within
+        # milliseconds of their answers, so the wait for a fuller batch expects that many. A
+        # lone client sends its next request only after its answer, so a wait for company
+        # would cost it the whole quiet gap on every request.
+        self._last_clients = 0
         self._queue: list[WorkItem] = []
         self._queued_tokens = 0
         self._running_tokens = 0
@@ -299,7 +304,7 @@ class Batcher:
             if self._stopping:
                 return None
             batch = self._choose(self._queue[: self.max_batch_inputs * WINDOW_FACTOR])
-            self._several_clients = len({id(item.ticket) for item in batch}) > 1
+            self._last_clients = _requests_in(batch)
             chosen = {id(item) for item in batch}
             self._queue = [item for item in self._queue if id(item) not in chosen]
             tokens = sum(item.length for item in batch)
@@ -318,14 +323,16 @@ class Batcher:
     def _wait_for_fuller_batch(self) -> None:
         """Clients answered a moment ago come back within milliseconds: while inputs keep
         arriving, wait for them (up to batch_wait) so that one full batch runs instead of two
-        half ones. A lone request waits at most one quiet gap, and not even that when the last
-        batch had a single client. Called with the lock held."""
-        if not self._several_clients:
+        half ones. The wait ends once as many requests wait as the last batch served (its
+        clients are back: waiting out a quiet gap then would idle the model for nothing) or
+        after a quiet gap with no arrival, and is skipped when the last batch had a single
+        client. Called with the lock held."""
+        if self._last_clients < 2:
             return
         deadline = time.perf_counter() + self.batch_wait
         while len(self._queue) < self.max_batch_inputs and not self._stopping:
             remaining = deadline - time.perf_counter()
-            if remaining <= 0:
+            if remaining <= 0 or _requests_in(self._queue) >= self._last_clients:
                 return
             waiting = len(self._queue)
             self._condition.wait(min(remaining, QUIET_GAP))

@@ -128,7 +128,7 @@ def _wait(
     workers: list[SpawnProcess], stopping: threading.Event, cores: CorePool, drain_seconds: float
 ) -> int:
     """Until every worker has exited: the first to exit without a signal stops the rest.
-    A dead worker's busy flag is cleared, so the others' last passes may take every core."""
+    A dead worker wants no cores any more, so the others' last passes may take every core."""
     running = list(workers)
     code = 0
     while running:

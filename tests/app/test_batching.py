@@ -251,7 +251,7 @@ def test_input_abandoned_during_the_batch_wait_does_not_run(
 
     monkeypatch.setattr(batcher_module, "QUIET_GAP", 30.0)  # the wait ends only when full
     batcher = make_batcher(tiny_embedder, max_batch_inputs=2, batch_wait=30.0)
-    batcher._several_clients = True  # as after a batch that served two clients
+    batcher._last_clients = 2  # as after a batch that served two clients
     first, second = make_items([3, 4])
     batcher.submit(first.ticket)
     chosen: list[list[WorkItem] | None] = []
@@ -293,3 +293,22 @@ def test_the_batch_wait_follows_how_many_clients_the_last_batch_served(
     batcher.submit(second.ticket)
     worker.join(timeout=10)
     assert chosen == [[first, second]]
+
+
+def test_the_batch_wait_ends_once_the_last_batch_s_clients_are_back(
+    tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch is not full, but every client it expects has come back: no quiet gap more."""
+    from app import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "QUIET_GAP", 30.0)  # else the wait ends in 2 ms
+    batcher = make_batcher(tiny_embedder, max_batch_inputs=8, batch_wait=30.0)
+    one, other, first, second = make_items([4, 4, 5, 5])
+    batcher.submit(one.ticket)
+    batcher.submit(other.ticket)
+    assert batcher._next_batch() == [one, other]  # two clients served together
+    batcher.submit(first.ticket)
+    batcher.submit(second.ticket)
+    started = time.perf_counter()
+    assert batcher._next_batch() == [first, second]
+    assert time.perf_counter() - started < 5  # far below the 30 s quiet gap

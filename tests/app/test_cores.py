@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.synchronize import Event as EventType
@@ -16,7 +17,8 @@ from multiprocessing.synchronize import Event as EventType
 import pytest
 import torch
 
-from app.cores import CoreLease, CorePool
+from app import cores
+from app.cores import RECENTLY_BUSY, CoreLease, CorePool
 
 # Long enough for a thread that should block to have got through, were it not blocked.
 BLOCKED_FOR = 0.3
@@ -60,6 +62,23 @@ def test_a_worker_with_queued_inputs_keeps_the_others_from_going_wide(pool: Core
         assert taken == 1
         assert torch.get_num_threads() == 1
     second.set_busy(False)
+    time.sleep(RECENTLY_BUSY * 2)
+    with first.cores() as taken:
+        assert taken == 2
+
+
+def test_a_worker_busy_a_moment_ago_still_keeps_the_others_from_going_wide(
+    pool: CorePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its event loop is answering its last batch's clients, who come straight back.
+    monkeypatch.setattr(cores, "RECENTLY_BUSY", BLOCKED_FOR)
+    first, second = CoreLease(pool, 0), CoreLease(pool, 1)
+    second.set_busy(True)
+    second.set_busy(False)
+    second.set_busy(False)  # as each later change of an empty queue says: the grace stays
+    with first.cores() as taken:
+        assert taken == 1
+    time.sleep(BLOCKED_FOR)
     with first.cores() as taken:
         assert taken == 2
 
@@ -105,7 +124,7 @@ def test_a_worker_killed_mid_pass_blocks_nobody(pool: CorePool) -> None:
             return taken
 
     with ThreadPoolExecutor(1) as thread:
-        # The kernel dropped the dead worker's lock (else this waits for ever); its flag
+        # The kernel dropped the dead worker's lock (else this waits for ever); its number
         # still says busy, so the pass takes its share.
         assert thread.submit(one_pass).result(timeout=5) == 1
         pool.forget(0)  # what the supervisor does when a worker exits
