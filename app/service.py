@@ -174,6 +174,8 @@ class EmbeddingService:
         log.info(
             "ready: %s (%s, %s: %s)", info.model_id, info.device, info.dtype, info.dtype_reason
         )
+        if info.device == "cpu" and (oversubscription := settings.cpu_oversubscription()):
+            log.warning(oversubscription)
 
     @staticmethod
     def _warm_up(embedder: Embedder) -> float:

@@ -31,7 +31,7 @@ from pathlib import Path
 import orjson
 
 from bench.workload import long_passages, short_sentences
-from bench.wrk import Server, WrkResult, run_wrk
+from bench.wrk import Server, WrkResult, run_wrk, workers_in
 
 RESULTS = Path(__file__).resolve().parent / "results" / "server.json"
 BATCH = 32
@@ -151,7 +151,11 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
     ceilings = []
     results: dict[str, list[LoadRun]] = {load.name: [] for load in LOADS}
     rss: dict[str, float] = {}
-    flags = ["--device", args.device, "--dtype", dtype, "--threads", str(args.threads)]
+    flags = ["--device", args.device, "--dtype", dtype]
+    if workers_in(args.server) == 1:
+        flags += ["--threads", str(args.threads)]
+    # Else each worker's threads are the server's default, its share of the CPUs: the
+    # ceiling's threads in every worker would oversubscribe them (see Settings).
     flags += args.server
     info: dict[str, object] = {}
     for _ in range(args.rounds):
@@ -220,7 +224,9 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--threads", type=int, default=2, help="the ceiling's, and the server's unless --workers"
+    )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU figures")
     parser.add_argument("--ceiling-of", help=argparse.SUPPRESS)
     parser.add_argument("server", nargs="*", help="after --, flags for the server")

@@ -91,7 +91,7 @@ class Server:
 
     def __init__(self, flags: Sequence[str], env: dict[str, str] | None = None) -> None:
         self.port = free_port()
-        self.workers = _workers(flags)
+        self.workers = workers_in(flags)
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(self.port)]
         self.process = subprocess.Popen(
@@ -178,7 +178,7 @@ class Server:
             self.process.wait(timeout=60)
 
 
-def _workers(flags: Sequence[str]) -> int:
+def workers_in(flags: Sequence[str]) -> int:
     """The server processes that run forward passes: --workers, if the flags give it."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--workers", type=int, default=1)

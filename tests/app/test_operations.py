@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
+from app import settings as settings_module
+from app.settings import Settings
 from model.device import available_cpus, resolve_dtype
 from tests.app.conftest import GatedForward, make_settings, running_app, service_of
 
@@ -48,6 +51,26 @@ def test_threads_follow_the_cgroup_quota(tmp_path: Path) -> None:
     assert available_cpus(cpu_max) == min(2, available_cpus(tmp_path / "absent"))
     cpu_max.write_text("max 100000\n")
     assert available_cpus(cpu_max) == available_cpus(tmp_path / "absent")
+
+
+def test_more_torch_threads_than_cpus_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(settings_module, "available_cpus", lambda: 2)
+    base = Settings(model_id="m")
+    assert base.model_copy(update={"workers": 2}).cpu_oversubscription() is None  # 1 each
+    assert base.model_copy(update={"threads": 2}).cpu_oversubscription() is None
+    crowded = base.model_copy(update={"workers": 2, "threads": 2}).cpu_oversubscription()
+    assert crowded is not None
+    assert "2 worker(s) x 2 torch threads" in crowded and "2 CPUs" in crowded
+
+
+async def test_a_cpu_server_on_more_threads_than_cpus_says_so_at_start(
+    tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = make_settings(tiny_checkpoint, threads=available_cpus() + 1)
+    with caplog.at_level(logging.WARNING, logger="app.service"):
+        async with running_app(settings) as (_, client):
+            assert (await client.post("/embed", json={"inputs": "hello"})).status_code == 200
+    assert "forward passes will stall each other" in caplog.text
 
 
 def test_auto_dtype_takes_bfloat16_only_where_the_cpu_computes_it() -> None:
