@@ -21,6 +21,7 @@ from app.responses import JSONResponse
 from app.routes import classify, encode, openai, ops, playground, sparse, tei
 from app.service import EmbeddingService
 from app.settings import Settings
+from model.shared_weights import WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,14 @@ def create_app(
     on_fatal: Callable[[str], None] | None = None,
     balance: ConnectionBalance | None = None,
     cores: CoreLease | None = None,
+    weights: WeightStore | None = None,
 ) -> FastAPI:
     """`on_fatal` is told when the model cannot load, so the process can exit non-zero;
-    `balance` and `cores` are a worker's share of the connections and of the CPU's cores
-    (app/balance.py, app/cores.py), under --workers."""
+    `balance`, `cores` and `weights` are a worker's share of the connections, of the CPU's
+    cores and of the weights' memory (app/balance.py, app/cores.py,
+    model/shared_weights.py), under --workers."""
     metrics = Metrics()
-    service = EmbeddingService(settings, metrics, cores)
+    service = EmbeddingService(settings, metrics, cores, weights)
 
     async def start() -> None:
         try:

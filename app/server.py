@@ -23,6 +23,7 @@ from app.cores import CoreLease
 from app.main import create_app
 from app.service import EmbeddingService
 from app.settings import Settings
+from model.shared_weights import WeightStore
 
 log = logging.getLogger("app")
 
@@ -103,9 +104,10 @@ def serve(
     sock: socket.socket | None = None,
     balance: ConnectionBalance | None = None,
     cores: CoreLease | None = None,
+    weights: WeightStore | None = None,
 ) -> int:
     """Serve until stopped, on `sock` if given (a worker, with its `balance` and, on a CPU,
-    its `cores`) or on settings' host and port; return the exit code."""
+    its `cores` and `weights`) or on settings' host and port; return the exit code."""
     server: DrainingServer | None = None
 
     def on_fatal(reason: str) -> None:
@@ -113,7 +115,7 @@ def serve(
         if server is not None:
             server.fail()
 
-    app = create_app(settings, on_fatal=on_fatal, balance=balance, cores=cores)
+    app = create_app(settings, on_fatal=on_fatal, balance=balance, cores=cores, weights=weights)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -34,6 +34,7 @@ from app.params import EncodeOptions, RawInput
 from app.settings import Settings
 from app.tokenization import Input, Tokenization, characters
 from model import AttentionSpec, Embedder, Encoded, FloatArray, ModelInfo, Task
+from model.shared_weights import WeightStore
 from model.similarity import similarity
 
 log = logging.getLogger(__name__)
@@ -100,12 +101,18 @@ class EmbeddingService:
     """Owns the model and the batcher; routes call it and never touch the model directly."""
 
     def __init__(
-        self, settings: Settings, metrics: Metrics, cores: CoreLease | None = None
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        cores: CoreLease | None = None,
+        weights: WeightStore | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
-        # Under --workers on a CPU: the cores each forward pass takes (app/cores.py).
+        # Under --workers on a CPU: the cores each forward pass takes (app/cores.py), and
+        # the store the workers hold one copy of the weights in (model/shared_weights.py).
         self.cores = cores
+        self.weights = weights
         self.limits = Limits(settings)
         self.embedder: Embedder | None = None
         self.batcher: Batcher | None = None
@@ -143,6 +150,8 @@ class EmbeddingService:
                     cuda_graphs=settings.cuda_graphs,
                 )
             )
+            if self.weights is not None:
+                await asyncio.wrap_future(compute.submit(embedder.share_weights, self.weights))
             seconds_per_token = await asyncio.wrap_future(compute.submit(self._warm_up, embedder))
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"

@@ -54,8 +54,9 @@ class Settings(BaseSettings):
         ge=1,
         le=64,
         description=(
-            "Server processes on the one port, each with its own copy of the model: more "
-            "throughput where one event loop is the limit, at the cost of memory."
+            "Server processes on the one port, each with its own event loop (on a CPU they "
+            "hold the weights once): more throughput where one event loop is the limit, at "
+            "the cost of memory."
         ),
     )
     threads: int | None = Field(

@@ -1,4 +1,4 @@
-"""`--workers N`: N server processes on one port, each with its own copy of the model.
+"""`--workers N`: N server processes on one port, each with its own event loop and model.
 
 Why: one Python process has one event loop, and past a point that loop, not the model, is
 what limits the server (HTTP parsing, validation, tokenizing and JSON rendering all run on
@@ -12,7 +12,8 @@ the workers, which each listen on it (see `bind`), and forwards SIGTERM and SIGI
 each drains as one server alone does (see app/server.py). Metrics go through
 prometheus_client's multiprocess mode: each worker writes its values to files in a directory
 made here, and whichever worker answers
-/metrics reports the sum over all of them. A worker that exits on its own (a failed start,
+/metrics reports the sum over all of them. On a CPU the workers hold their weights once, in a
+file made here (model/shared_weights.py). A worker that exits on its own (a failed start,
 a crash) takes the others down and the supervisor exits non-zero, for the orchestrator to
 restart the whole; a container half-serving after a crash would look healthy to it.
 """
@@ -30,6 +31,7 @@ import tempfile
 import threading
 from multiprocessing.connection import wait as wait_for_any
 from multiprocessing.context import SpawnProcess
+from pathlib import Path
 from types import FrameType
 
 from app.balance import ConnectionBalance, Counts
@@ -39,6 +41,7 @@ from app.memory import limit_arenas
 from app.metrics import MULTIPROCESS_DIR_VARIABLE
 from app.server import serve
 from app.settings import Settings
+from model.shared_weights import WeightStore
 
 log = logging.getLogger("app")
 
@@ -89,9 +92,13 @@ def supervise(settings: Settings) -> int:
     context = multiprocessing.get_context("spawn")
     counts = context.RawArray(ctypes.c_int, settings.workers)
     cores = CorePool(context, settings.workers, settings.worker_threads())
+    weights_dir = tempfile.mkdtemp(prefix="embed-weights-")
+    weights = WeightStore(Path(weights_dir))
     workers = [
         context.Process(
-            target=_run_worker, args=(settings, counts, cores, index), name=f"worker-{index}"
+            target=_run_worker,
+            args=(settings, counts, cores, weights, index),
+            name=f"worker-{index}",
         )
         for index in range(settings.workers)
     ]
@@ -121,6 +128,7 @@ def supervise(settings: Settings) -> int:
             signal.signal(sig, handler)
         reservation.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(weights_dir, ignore_errors=True)
         cores.remove()
 
 
@@ -159,7 +167,9 @@ def _stop(workers: list[SpawnProcess], drain_seconds: float) -> None:
             worker.kill()
 
 
-def _run_worker(settings: Settings, counts: Counts, cores: CorePool, index: int) -> None:
+def _run_worker(
+    settings: Settings, counts: Counts, cores: CorePool, weights: WeightStore, index: int
+) -> None:
     # Signals reach the workers through the supervisor only: a terminal's Ctrl-C goes to the
     # whole process group, and a worker that got it twice would skip its drain.
     os.setpgrp()
@@ -169,7 +179,7 @@ def _run_worker(settings: Settings, counts: Counts, cores: CorePool, index: int)
     log.info("worker started (pid %d)", os.getpid())
     balance = ConnectionBalance(counts, index)
     lease = CoreLease(cores, index)
-    raise SystemExit(serve(settings, bind(settings, listen=True), balance, lease))
+    raise SystemExit(serve(settings, bind(settings, listen=True), balance, lease, weights))
 
 
 def _die_with_parent() -> None:

@@ -19,6 +19,7 @@ from model.heads import Head
 from model.loading import ModelInfo, load_model
 from model.pipeline import EmbeddingPipeline, finish
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
+from model.shared_weights import WeightStore
 from model.tokenizer import Direction, Encoded, TextTokenizer, TokenizerInput
 
 __all__ = ["AttentionSpec", "BatchOutput", "Embedder", "ModelInfo", "ModelInput"]
@@ -239,6 +240,11 @@ class Embedder:
             return 0
         with torch.inference_mode():
             return self.graphs.capture_all()
+
+    def share_weights(self, store: WeightStore) -> bool:
+        """Hold the weights in `store`, shared with the other processes of one server on a
+        CPU (model/shared_weights.py); False where they stay private (a GPU's, for one)."""
+        return store.adopt([self.network, self.head])
 
     def embed(
         self,

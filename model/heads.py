@@ -127,7 +127,7 @@ class MaskedLMHead(Head):
         self.splade = splade
         self.tied = tied
         self.vocab_size = config.vocab_size
-        self._decoder_weight: Tensor | None = None
+        self._tied_to: nn.Embedding | None = None
 
     def transform(self, tokens: Tensor) -> Tensor:
         """(N, D) token states -> (N, D) before the vocabulary projection."""
@@ -137,17 +137,19 @@ class MaskedLMHead(Head):
         """The (V, D) vocabulary matrix and the (V,) bias in use."""
         raise NotImplementedError
 
-    def tie(self, word_embeddings: Tensor) -> None:
+    def tie(self, word_embeddings: nn.Embedding) -> None:
         """Use the encoder's word embeddings as the vocabulary matrix (tied configs only).
 
-        Kept as a plain tensor sharing their storage, not a parameter: the head does not
-        own it, and it is neither loaded nor moved with the head.
+        The head reads the embedding's weight at each call and does not hold it: it neither
+        loads nor moves it, and follows it when the weights move to a shared store
+        (model/shared_weights.py). Kept out of `__setattr__`, which would make the encoder's
+        embedding a submodule of the head.
         """
-        self._decoder_weight = word_embeddings.detach()
+        object.__setattr__(self, "_tied_to", word_embeddings)
 
     def decoder_weight(self) -> Tensor:
-        assert self._decoder_weight is not None, "tie() is called after loading"
-        return self._decoder_weight
+        assert self._tied_to is not None, "tie() is called after loading"
+        return self._tied_to.weight
 
     def forward(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
         """(B, T, D) states -> (B, V) float32 weights, from the real tokens only, a chunk of

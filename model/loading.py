@@ -210,7 +210,7 @@ def load_network_with_head(
     if isinstance(head, MaskedLMHead) and head.tied:
         # Heads exist for BERT-family encoders only (build_head).
         assert isinstance(network, TransformerEncoder)
-        head.tie(network.embeddings.word_embeddings.weight)
+        head.tie(network.embeddings.word_embeddings)
     return network, head, labels
 
 

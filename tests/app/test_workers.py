@@ -117,7 +117,13 @@ def test_the_queue_gauge_sums_the_workers_queues(workers: ServerProcess) -> None
     assert queue_depth(workers.url) == 0
 
 
-def test_a_signal_drains_every_worker_and_removes_the_metrics_files(
+def shared_weights_of(pid: int) -> set[tuple[str, str]]:
+    """The weight stores a process maps (model/shared_weights.py): path, permissions."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {(f[5], f[1]) for f in map(str.split, maps) if len(f) >= 6 and "embed-weights-" in f[5]}
+
+
+def test_a_signal_drains_every_worker_and_removes_the_metrics_and_weights_files(
     workers: ServerProcess,
 ) -> None:
     pids = workers_of(workers.process.pid)
@@ -128,9 +134,14 @@ def test_a_signal_drains_every_worker_and_removes_the_metrics_files(
         .decode()
     )
     assert metrics_dir.is_dir()
+    # Both workers read their weights from one file, mapped read-only and shared.
+    (store, permissions), *others = shared_weights_of(pids[0])
+    assert not others and shared_weights_of(pids[1]) == {(store, permissions)}
+    assert permissions == "r--s" and store.endswith("weights.bin")
     assert workers.stop() == 0
     assert not any(alive(pid) for pid in pids)
     assert not metrics_dir.exists()
+    assert not Path(store).parent.exists()
     assert workers.log.read_text().count("Finished server process") == 2
 
 
