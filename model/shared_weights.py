@@ -20,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import mmap
 import os
 import warnings
@@ -48,8 +49,13 @@ class Entry:
     offset: int  # bytes
 
     @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
+
+    @property
     def size(self) -> int:
-        return _itemsize(self.dtype) * _count(self.shape)
+        return self.torch_dtype.itemsize * math.prod(self.shape)
 
 
 class WeightStore:
@@ -67,27 +73,30 @@ class WeightStore:
         tensors = _tensors(modules)
         if not tensors:
             return False
+        own = _layout(tensors)
         try:
             with self._locked():
-                if not self.manifest.exists():
-                    self._write(tensors)
-                entries = _read(self.manifest)
+                if self.manifest.exists():
+                    entries = _read(self.manifest)
+                else:
+                    self._write(own, tensors)
+                    entries = own
+            if entries != own:
+                log.warning(
+                    "%s holds another model's weights: this worker keeps its own", self.data
+                )
+                return False
             views = self._map(entries)
         except OSError as exc:
             log.warning("weights not shared, this worker keeps its own: %s", exc)
-            return False
-        own = [_entry_of(name, tensor, 0) for name, tensor in tensors]
-        if [(e.name, e.dtype, e.shape) for e in entries] != [
-            (e.name, e.dtype, e.shape) for e in own
-        ]:
-            log.warning("%s holds another model's weights: this worker keeps its own", self.data)
             return False
         mapped = dict(zip((name for name, _ in tensors), views, strict=True))
         if not all(torch.equal(mapped[name], tensor) for name, tensor in tensors):
             log.warning("%s holds other values than this worker loaded: kept its own", self.data)
             return False
         _rebind(modules, {id(tensor): mapped[name] for name, tensor in tensors})
-        log.info("weights shared with the other workers (%d MiB)", _end(entries) >> 20)
+        end = entries[-1].offset + entries[-1].size
+        log.info("weights shared with the other workers (%d MiB)", end >> 20)
         return True
 
     @contextmanager
@@ -99,18 +108,12 @@ class WeightStore:
         finally:
             os.close(descriptor)  # drops the lock
 
-    def _write(self, tensors: Sequence[tuple[str, Tensor]]) -> None:
+    def _write(self, entries: Sequence[Entry], tensors: Sequence[tuple[str, Tensor]]) -> None:
         """The data, then the manifest, whose presence says the data is complete."""
-        entries, offset = [], 0
-        for name, tensor in tensors:
-            entry = _entry_of(name, tensor, offset)
-            entries.append(entry)
-            offset = -(-(entry.offset + entry.size) // ALIGNMENT) * ALIGNMENT
         with self.data.open("wb") as handle:
             for entry, (_, tensor) in zip(entries, tensors, strict=True):
                 handle.seek(entry.offset)
                 handle.write(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().data)
-            handle.truncate(max(_end(entries), 1))
         self.manifest.write_text(json.dumps([entry.__dict__ for entry in entries]))
 
     def _map(self, entries: Sequence[Entry]) -> list[Tensor]:
@@ -122,8 +125,7 @@ class WeightStore:
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             data = torch.frombuffer(region, dtype=torch.uint8)
         return [
-            data[e.offset : e.offset + e.size].view(getattr(torch, e.dtype)).view(e.shape)
-            for e in entries
+            data[e.offset : e.offset + e.size].view(e.torch_dtype).view(e.shape) for e in entries
         ]
 
 
@@ -161,8 +163,15 @@ def _rebind(modules: Sequence[nn.Module], replacements: dict[int, Tensor]) -> No
                 setattr(module, name, replacements[id(buffer)])
 
 
-def _entry_of(name: str, tensor: Tensor, offset: int) -> Entry:
-    return Entry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset)
+def _layout(tensors: Sequence[tuple[str, Tensor]]) -> list[Entry]:
+    """Where each tensor goes in the file, one after another, each on a cache line. The same
+    tensors always get the same layout, so a manifest that differs names another model."""
+    entries, offset = [], 0
+    for name, tensor in tensors:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        entries.append(Entry(name, dtype, tuple(tensor.shape), offset))
+        offset = -(-(offset + entries[-1].size) // ALIGNMENT) * ALIGNMENT
+    return entries
 
 
 def _read(manifest: Path) -> list[Entry]:
@@ -170,18 +179,3 @@ def _read(manifest: Path) -> list[Entry]:
         Entry(item["name"], item["dtype"], tuple(item["shape"]), item["offset"])
         for item in json.loads(manifest.read_text())
     ]
-
-
-def _end(entries: Sequence[Entry]) -> int:
-    return max((e.offset + e.size for e in entries), default=0)
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dimension in shape:
-        count *= dimension
-    return count
