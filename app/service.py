@@ -148,8 +148,11 @@ class EmbeddingService:
                     allow_download=settings.allow_download,
                     max_input_tokens=settings.max_input_tokens,
                     cuda_graphs=settings.cuda_graphs,
+                    prepack=settings.prepack,
                 )
             )
+            if embedder.prepacked:
+                log.info("%d linear layers prepacked for oneDNN", embedder.prepacked)
             if self.weights is not None:
                 await asyncio.wrap_future(compute.submit(embedder.share_weights, self.weights))
             seconds_per_token = await asyncio.wrap_future(compute.submit(self._warm_up, embedder))

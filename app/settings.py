@@ -102,6 +102,13 @@ class Settings(BaseSettings):
             "captured at start-up (one replay instead of a launch per kernel); off: eagerly."
         ),
     )
+    prepack: bool = Field(
+        True,
+        description=(
+            "On a CPU, lay the encoder's linear weights out once for oneDNN at start-up "
+            "(one sentence 1.3-1.7x faster); off: torch's own matmul on the checkpoint layout."
+        ),
+    )
     auto_truncate: bool = Field(
         True, description="Truncate long inputs when a request does not say (else 422)."
     )

@@ -1,8 +1,10 @@
-"""The encoder's two CPU mechanisms, each forced on and off on the same batches.
+"""The encoder's three CPU mechanisms, each forced on and off on the same batches.
 
 - Packing: position-wise layers on real tokens only, at several shares of padding
   (this is what sets model.packing.PACKING_MIN_PADDING).
 - Feed-forward chunks of model.packing.FEED_FORWARD_CHUNK tokens against the whole batch.
+- Linear weights prepacked for oneDNN (model/prepacked.py) against torch's `F.linear`, in
+  float32 and bfloat16 (where the CPU runs it), on one sentence and batches of 8 and 32.
 Usage: python -m bench.layers [--threads 2]
 """
 
@@ -17,7 +19,9 @@ from collections.abc import Callable
 import torch
 
 from bench.encoder import make_texts
-from model import DEFAULT_MODEL_ID, Embedder, packing
+from bench.workload import short_sentences
+from model import DEFAULT_MODEL_ID, Embedder, Encoded, packing
+from model.prepacked import can_prepack
 
 PADDING_SHARES = (0.05, 0.10, 0.20, 0.40, 0.60)
 
@@ -110,6 +114,40 @@ def main() -> None:
             f"  batch {count}: chunked {best['chunked'] * 1000:.0f} ms, "
             f"whole {best['whole'] * 1000:.0f} ms, speed-up {best['whole'] / best['chunked']:.2f}"
         )
+    compare_prepacked(args.repeats)
+
+
+def forward_each(embedder: Embedder, batches: list[list[Encoded]]) -> None:
+    for batch in batches:
+        embedder.forward(batch)
+
+
+def compare_prepacked(repeats: int) -> None:
+    print("linear weights prepacked for oneDNN against F.linear, short sentences (~16 tokens)")
+    for dtype in (torch.float32, torch.bfloat16):
+        if not can_prepack(torch.device("cpu"), dtype):
+            print(f"  {dtype}: oneDNN does not run it on this CPU")
+            continue
+        on, off = (
+            Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype=str(dtype)[6:], prepack=flag)
+            for flag in (True, False)
+        )
+        for count in (1, 8, 32):
+            # Many batches per timing: one sentence takes a few milliseconds.
+            batches = [on.tokenize(short_sentences(count, seed=seed)) for seed in range(64)]
+            best = best_interleaved(
+                {
+                    "prepacked": functools.partial(forward_each, on, batches),
+                    "F.linear": functools.partial(forward_each, off, batches),
+                },
+                repeats,
+            )
+            print(
+                f"  {str(dtype)[6:]:8} batch {count:2}: prepacked "
+                f"{best['prepacked'] / len(batches) * 1000:.2f} ms, F.linear "
+                f"{best['F.linear'] / len(batches) * 1000:.2f} ms, speed-up "
+                f"{best['F.linear'] / best['prepacked']:.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from model.errors import PromptError
 from model.heads import Head
 from model.loading import ModelInfo, load_model
 from model.pipeline import EmbeddingPipeline, finish
+from model.prepacked import can_prepack, prepack_linears
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
 from model.shared_weights import WeightStore
 from model.tokenizer import Direction, Encoded, TextTokenizer, TokenizerInput
@@ -66,6 +67,7 @@ class Embedder:
         info: ModelInfo,
         *,
         cuda_graphs: bool = True,
+        prepack: bool = True,
     ) -> None:
         self.network = network
         self.head = head
@@ -77,6 +79,11 @@ class Embedder:
         self.graphs: GraphedForward | None = None
         if cuda_graphs and self.device.type == "cuda" and isinstance(head, EmbeddingPipeline):
             self.graphs = GraphedForward(self.pooled_forward, self.device, info.max_input_tokens)
+        # On a CPU the encoder's linear layers run on weights laid out once for oneDNN
+        # (model/prepacked.py); how many, for the log.
+        self.prepacked = 0
+        if prepack and can_prepack(self.device, next(network.parameters()).dtype):
+            self.prepacked = prepack_linears(network)
 
     @classmethod
     def load(
@@ -89,6 +96,7 @@ class Embedder:
         max_input_tokens: int | None = None,
         task: str = "auto",
         cuda_graphs: bool = True,
+        prepack: bool = True,
     ) -> Embedder:
         folder = resolve_model_dir(model_id, allow_download=allow_download)
         target = resolve_device(device)
@@ -100,6 +108,7 @@ class Embedder:
             max_input_tokens=max_input_tokens,
             task=task,
             cuda_graphs=cuda_graphs,
+            prepack=prepack,
         )
 
     @classmethod
@@ -113,10 +122,12 @@ class Embedder:
         max_input_tokens: int | None = None,
         task: str = "auto",
         cuda_graphs: bool = True,
+        prepack: bool = True,
     ) -> Embedder:
         """`task`: "auto" serves what the folder declares (model/folder.py), or embed,
         classify or sparse; `max_input_tokens` can only lower the model's own limit;
-        `cuda_graphs` off runs every forward pass on a GPU eagerly."""
+        `cuda_graphs` off runs every forward pass on a GPU eagerly; `prepack` off runs a
+        CPU's linear layers on torch's own `F.linear`."""
         choice = dtype if isinstance(dtype, DtypeChoice) else DtypeChoice(dtype, "asked for")
         loaded = load_model(
             folder,
@@ -127,7 +138,12 @@ class Embedder:
             max_input_tokens=max_input_tokens,
         )
         return cls(
-            loaded.network, loaded.head, loaded.tokenizer, loaded.info, cuda_graphs=cuda_graphs
+            loaded.network,
+            loaded.head,
+            loaded.tokenizer,
+            loaded.info,
+            cuda_graphs=cuda_graphs,
+            prepack=prepack,
         )
 
     def prompt(self, name: str | None) -> str:
