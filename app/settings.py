@@ -106,7 +106,8 @@ class Settings(BaseSettings):
         True,
         description=(
             "On a CPU, lay the encoder's linear weights out once for oneDNN at start-up "
-            "(one sentence 1.3-1.7x faster); off: torch's own matmul on the checkpoint layout."
+            "(one sentence 1.4-1.9x as fast), each worker its own copy; off: torch's own "
+            "matmul on the checkpoint layout, and --workers share every weight."
         ),
     )
     auto_truncate: bool = Field(
