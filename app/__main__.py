@@ -3,6 +3,7 @@ server process (app/server.py), or --workers of them under a supervisor (app/wor
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 from pydantic import ValidationError
@@ -10,11 +11,9 @@ from pydantic_settings import CliApp
 
 from app.logs import configure_logging
 from app.memory import limit_arenas
-from app.server import serve
 from app.settings import Settings
 from app.workers import supervise
-from model import ModelError
-from model.device import resolve_device
+from model import ConfigError, ModelError
 from model.resolve import resolve_model_dir
 
 
@@ -28,6 +27,20 @@ def load_settings(argv: list[str] | None) -> Settings:
         sys.exit(f"embedding-server: invalid setting: {problems}")
 
 
+def check_device(device: str, workers: int) -> None:
+    """ConfigError unless `device` can work. For `--workers`, asked of a short-lived child
+    process: the supervisor itself never imports torch (model/__init__.py)."""
+    if workers == 1:
+        from model.device import resolve_device
+
+        resolve_device(device)
+    elif device not in ("auto", "cpu"):  # those two always work
+        command = [sys.executable, "-m", "model.device", device]
+        checked = subprocess.run(command, capture_output=True, text=True, check=False)
+        if checked.returncode != 0:
+            raise ConfigError(checked.stderr.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> None:
     # Before any thread starts: a malloc arena per thread is what makes RSS creep.
     limit_arenas()
@@ -36,10 +49,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # Fail before binding the port when the model id or the device cannot work.
         resolve_model_dir(settings.model_id, allow_download=settings.allow_download)
-        resolve_device(settings.device)
+        check_device(settings.device, settings.workers)
     except ModelError as exc:
         sys.exit(f"embedding-server: {exc}")
-    sys.exit(serve(settings) if settings.workers == 1 else supervise(settings))
+    if settings.workers > 1:
+        sys.exit(supervise(settings))
+    from app.server import serve  # with torch: only a server that runs the model needs it
+
+    sys.exit(serve(settings))
 
 
 if __name__ == "__main__":

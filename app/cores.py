@@ -31,9 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.context import SpawnContext
 
-import torch
-
-from model.device import available_cpus
+from model.cpus import available_cpus
 
 # A worker whose batch ended this recently still counts as busy. Its event loop is sending
 # that batch's answers, on a core, and the clients' next requests come back within
@@ -87,6 +85,10 @@ class CoreLease:
 
     @contextmanager
     def cores(self) -> Iterator[int]:
+        # Imported here: the supervisor makes the pool, and importing torch would cost it
+        # about 130 MiB (model/__init__.py).
+        import torch
+
         taken = self.pool.size if self._take_all() else self._take_share()
         try:
             if torch.get_num_threads() != taken:

@@ -9,7 +9,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from model import DEFAULT_MODEL_ID
-from model.device import available_cpus
+from model.cpus import available_cpus
 
 
 class Settings(BaseSettings):

@@ -39,9 +39,7 @@ from app.cores import CoreLease, CorePool
 from app.logs import configure_logging
 from app.memory import limit_arenas
 from app.metrics import MULTIPROCESS_DIR_VARIABLE
-from app.server import serve
 from app.settings import Settings
-from model.shared_weights import WeightStore
 
 log = logging.getLogger("app")
 
@@ -93,11 +91,10 @@ def supervise(settings: Settings) -> int:
     counts = context.RawArray(ctypes.c_int, settings.workers)
     cores = CorePool(context, settings.workers, settings.worker_threads())
     weights_dir = tempfile.mkdtemp(prefix="embed-weights-")
-    weights = WeightStore(Path(weights_dir))
     workers = [
         context.Process(
             target=_run_worker,
-            args=(settings, counts, cores, weights, index),
+            args=(settings, counts, cores, Path(weights_dir), index),
             name=f"worker-{index}",
         )
         for index in range(settings.workers)
@@ -168,8 +165,13 @@ def _stop(workers: list[SpawnProcess], drain_seconds: float) -> None:
 
 
 def _run_worker(
-    settings: Settings, counts: Counts, cores: CorePool, weights: WeightStore, index: int
+    settings: Settings, counts: Counts, cores: CorePool, weights_dir: Path, index: int
 ) -> None:
+    # Imported in the worker only: the supervisor never runs the app or a model, and torch
+    # would cost it about 130 MiB (model/__init__.py).
+    from app.server import serve
+    from model.shared_weights import WeightStore
+
     # Signals reach the workers through the supervisor only: a terminal's Ctrl-C goes to the
     # whole process group, and a worker that got it twice would skip its drain.
     os.setpgrp()
@@ -179,6 +181,7 @@ def _run_worker(
     log.info("worker started (pid %d)", os.getpid())
     balance = ConnectionBalance(counts, index)
     lease = CoreLease(cores, index)
+    weights = WeightStore(weights_dir)
     raise SystemExit(serve(settings, bind(settings, listen=True), balance, lease, weights))
 
 

@@ -1,7 +1,15 @@
-"""A from-scratch BERT-family encoder that loads trained checkpoints; no web code here."""
+"""A from-scratch BERT-family encoder that loads trained checkpoints; no web code here.
 
-from model.architectures import EncoderConfig
-from model.embedder import AttentionSpec, BatchOutput, Embedder, ModelInfo
+The names that need torch are imported on first use: `--workers`' supervisor reads the
+settings (the default model id, the errors) and never runs a model, and importing torch would
+cost it about 130 MiB of its own memory.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
 from model.errors import (
     CheckpointError,
     ConfigError,
@@ -12,10 +20,38 @@ from model.errors import (
     PromptError,
     TokenIdError,
 )
-from model.heads import Task
-from model.pipeline import FloatArray, PoolingMode, finish
 from model.resolve import DEFAULT_MODEL_ID
-from model.tokenizer import Direction, Encoded
+
+if TYPE_CHECKING:
+    from model.architectures import EncoderConfig
+    from model.embedder import AttentionSpec, BatchOutput, Embedder, ModelInfo
+    from model.heads import Task
+    from model.pipeline import FloatArray, PoolingMode, finish
+    from model.tokenizer import Direction, Encoded
+
+# Each name imported on first use, from its module.
+_LAZY = {
+    "EncoderConfig": "model.architectures",
+    "AttentionSpec": "model.embedder",
+    "BatchOutput": "model.embedder",
+    "Embedder": "model.embedder",
+    "ModelInfo": "model.embedder",
+    "Task": "model.heads",
+    "FloatArray": "model.pipeline",
+    "PoolingMode": "model.pipeline",
+    "finish": "model.pipeline",
+    "Direction": "model.tokenizer",
+    "Encoded": "model.tokenizer",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'model' has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name]), name)
+    globals()[name] = value  # once imported, an ordinary attribute
+    return value
+
 
 __all__ = [
     "DEFAULT_MODEL_ID",

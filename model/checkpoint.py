@@ -18,10 +18,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from model.errors import CheckpointError, ConfigError
+from model.resolve import WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_FILE = "model.safetensors"
 # In the order they are looked for.
 WEIGHT_FILES = (
     WEIGHTS_FILE,

