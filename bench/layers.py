@@ -125,11 +125,12 @@ def forward_each(embedder: Embedder, batches: list[list[Encoded]]) -> None:
 def compare_prepacked(repeats: int) -> None:
     print("linear weights prepacked for oneDNN against F.linear, short sentences (~16 tokens)")
     for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
         if not can_prepack(torch.device("cpu"), dtype):
-            print(f"  {dtype}: oneDNN does not run it on this CPU")
+            print(f"  {name}: not prepacked on this CPU (model.prepacked.can_prepack)")
             continue
         on, off = (
-            Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype=str(dtype)[6:], prepack=flag)
+            Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype=name, prepack=flag)
             for flag in (True, False)
         )
         for count in (1, 8, 32):
@@ -143,7 +144,7 @@ def compare_prepacked(repeats: int) -> None:
                 repeats,
             )
             print(
-                f"  {str(dtype)[6:]:8} batch {count:2}: prepacked "
+                f"  {name:8} batch {count:2}: prepacked "
                 f"{best['prepacked'] / len(batches) * 1000:.2f} ms, F.linear "
                 f"{best['F.linear'] / len(batches) * 1000:.2f} ms, speed-up "
                 f"{best['F.linear'] / best['prepacked']:.2f}"

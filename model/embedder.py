@@ -73,7 +73,8 @@ class Embedder:
         self.head = head
         self.tokenizer = tokenizer
         self.info = info
-        self.device = next(network.parameters()).device
+        first = next(network.parameters())
+        self.device = first.device
         # Embeddings on a GPU run as captured graphs where the batch is small enough
         # (model/cuda_graphs.py); the other heads and all CPU work run eagerly.
         self.graphs: GraphedForward | None = None
@@ -82,7 +83,7 @@ class Embedder:
         # On a CPU the encoder's linear layers run on weights laid out once for oneDNN
         # (model/prepacked.py); how many, for the log.
         self.prepacked = 0
-        if prepack and can_prepack(self.device, next(network.parameters()).dtype):
+        if prepack and can_prepack(self.device, first.dtype):
             self.prepacked = prepack_linears(network)
 
     @classmethod

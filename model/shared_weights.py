@@ -7,7 +7,7 @@ private copies are freed, so N workers hold these weights once, in the page cach
 of all-MiniLM-L6-v2 and their supervisor: 1,045 against 1,194 MiB PSS in bfloat16). What the
 file holds is what stays in ordinary tensors: the linear layers' weights are prepacked for
 oneDNN (model/prepacked.py) into opaque tensors of each process's own, so the file holds the
-embedding tables, norms and biases (all of the weights with `--no-prepack`).
+embedding tables, norms, biases and the heads' weights (all of them with `--no-prepack`).
 
 A read-only mapping: a worker that wrote to a weight would crash on it, instead of changing
 the vectors of every other worker. Weights that differ from the store's (which two workers

@@ -107,10 +107,12 @@ def test_settings_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) ->
             "--log-format",
             "json",
             "--no-cuda-graphs",
+            "--no-prepack",
         ]
     )
     assert settings.port == 9000 and settings.device == "cuda:1"
     assert settings.cuda_graphs is False and Settings().cuda_graphs is True
+    assert settings.prepack is False and Settings().prepack is True
     assert settings.auto_truncate is False and settings.max_batch_tokens == 999
     assert settings.api_key is not None and settings.api_key.get_secret_value() == "k"
     assert settings.cors_origins == ["https://a.example", "https://b.example"]

@@ -1,4 +1,5 @@
-"""Operating the server: the stop sequence, the concurrency limit, threads and dtype choice."""
+"""Operating the server: the stop sequence, the concurrency limit, threads, dtype choice and
+prepacked weights."""
 
 from __future__ import annotations
 
@@ -72,6 +73,15 @@ async def test_a_cpu_server_on_more_threads_than_cpus_says_so_at_start(
         async with running_app(settings) as (_, client):
             assert (await client.post("/embed", json={"inputs": "hello"})).status_code == 200
     assert "forward passes will stall each other" in caplog.text
+
+
+@pytest.mark.parametrize("prepack", [True, False])
+async def test_the_prepack_setting_reaches_the_model(tiny_checkpoint: Path, prepack: bool) -> None:
+    """On by default: a CPU server's linear layers run prepacked (model/prepacked.py)."""
+    async with running_app(make_settings(tiny_checkpoint, prepack=prepack)) as (app, client):
+        embedder = service_of(app).embedder
+        assert embedder is not None and (embedder.prepacked > 0) is prepack
+        assert (await client.post("/embed", json={"inputs": "hello"})).status_code == 200
 
 
 def test_auto_dtype_takes_bfloat16_only_where_the_cpu_computes_it() -> None:
