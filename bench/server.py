@@ -55,14 +55,14 @@ LOADS = (
 )
 
 
-def ceiling(dtype: str, threads: int, device: str) -> dict[str, float]:
+def ceiling(dtype: str, threads: int, device: str, prepack: bool) -> dict[str, float]:
     """Run in a child process: texts/s for short and long, single-call p50, peak RSS."""
     import torch
 
     from model import Embedder
 
     torch.set_num_threads(threads)
-    embedder = Embedder.load(device=device, dtype=dtype)
+    embedder = Embedder.load(device=device, dtype=dtype, prepack=prepack)
     embedder.capture_graphs()  # as the server does at start-up (none on the CPU)
     figures: dict[str, float] = {}
     for name, texts in (("short", short_sentences(2048)), ("long", long_passages(256))):
@@ -87,7 +87,7 @@ def ceiling(dtype: str, threads: int, device: str) -> dict[str, float]:
     return figures
 
 
-def measure_ceiling(dtype: str, threads: int, device: str) -> dict[str, float]:
+def measure_ceiling(dtype: str, threads: int, device: str, prepack: bool) -> dict[str, float]:
     command = [
         sys.executable,
         "-m",
@@ -98,6 +98,7 @@ def measure_ceiling(dtype: str, threads: int, device: str) -> dict[str, float]:
         str(threads),
         "--device",
         device,
+        *([] if prepack else ["--no-prepack"]),
     ]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     figures: dict[str, float] = json.loads(output.strip().splitlines()[-1])
@@ -156,12 +157,12 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
         flags += ["--threads", str(args.threads)]
     # Else each worker's threads are the server's default, its share of the CPUs: the
     # ceiling's threads in every worker would oversubscribe them (see Settings).
-    flags += args.server
+    flags += args.server + ([] if args.prepack else ["--no-prepack"])
     info: dict[str, object] = {}
     for _ in range(args.rounds):
         # The ceiling runs alone; then a fresh server: one process's speed is a draw of its
         # own (the same code's 1 x 1 p50 was 6.20 ms in one process, 4.76 ms in the next).
-        ceilings.append(measure_ceiling(dtype, args.threads, args.device))
+        ceilings.append(measure_ceiling(dtype, args.threads, args.device, args.prepack))
         server = Server(flags)
         try:
             server.wait_ready()
@@ -228,11 +229,17 @@ def main() -> None:
         "--threads", type=int, default=2, help="the ceiling's, and the server's unless --workers"
     )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU figures")
+    parser.add_argument(
+        "--no-prepack",
+        dest="prepack",
+        action="store_false",
+        help="the ceiling and the server on F.linear, not prepacked weights (model/prepacked.py)",
+    )
     parser.add_argument("--ceiling-of", help=argparse.SUPPRESS)
     parser.add_argument("server", nargs="*", help="after --, flags for the server")
     args = parser.parse_args()
     if args.ceiling_of:
-        print(json.dumps(ceiling(args.ceiling_of, args.threads, args.device)))
+        print(json.dumps(ceiling(args.ceiling_of, args.threads, args.device, args.prepack)))
         return
     report = {dtype: benchmark(dtype, args) for dtype in args.dtypes}
     RESULTS.parent.mkdir(exist_ok=True)
