@@ -3,7 +3,6 @@ server process (app/server.py), or --workers of them under a supervisor (app/wor
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 from pydantic import ValidationError
@@ -12,8 +11,8 @@ from pydantic_settings import CliApp
 from app.logs import configure_logging
 from app.memory import limit_arenas
 from app.settings import Settings
-from app.workers import supervise
-from model import ConfigError, ModelError
+from app.workers import check_device_in_child, supervise
+from model import ModelError
 from model.resolve import resolve_model_dir
 
 
@@ -28,17 +27,14 @@ def load_settings(argv: list[str] | None) -> Settings:
 
 
 def check_device(device: str, workers: int) -> None:
-    """ConfigError unless `device` can work. For `--workers`, asked of a short-lived child
-    process: the supervisor itself never imports torch (model/__init__.py)."""
-    if workers == 1:
-        from model.device import resolve_device
+    """ConfigError unless `device` can work; for `--workers` asked of a child process, so
+    that the supervisor never imports torch (model/__init__.py)."""
+    if workers > 1:
+        check_device_in_child(device)
+        return
+    from model.device import resolve_device
 
-        resolve_device(device)
-    elif device not in ("auto", "cpu"):  # those two always work
-        command = [sys.executable, "-m", "model.device", device]
-        checked = subprocess.run(command, capture_output=True, text=True, check=False)
-        if checked.returncode != 0:
-            raise ConfigError(checked.stderr.strip().splitlines()[-1])
+    resolve_device(device)
 
 
 def main(argv: list[str] | None = None) -> None:

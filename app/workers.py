@@ -29,6 +29,8 @@ import signal
 import socket
 import tempfile
 import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.connection import wait as wait_for_any
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
@@ -40,6 +42,7 @@ from app.logs import configure_logging
 from app.memory import limit_arenas
 from app.metrics import MULTIPROCESS_DIR_VARIABLE
 from app.settings import Settings
+from model.errors import ConfigError
 
 log = logging.getLogger("app")
 
@@ -164,19 +167,45 @@ def _stop(workers: list[SpawnProcess], drain_seconds: float) -> None:
             worker.kill()
 
 
+def check_device_in_child(device: str) -> None:
+    """ConfigError unless `device` can work, checked in a spawned child process (which has
+    this process's import path) so that the supervisor itself never imports torch."""
+    if device in ("auto", "cpu"):  # always work
+        return
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            problem = pool.submit(_device_problem, device).result()
+        except BrokenProcessPool as exc:
+            message = f"device {device!r} could not be checked: the checking process died"
+            raise ConfigError(message) from exc
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _device_problem(device: str) -> str | None:
+    """In the child: why `device` cannot work, or None."""
+    from model.device import resolve_device
+
+    try:
+        resolve_device(device)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def _run_worker(
     settings: Settings, counts: Counts, cores: CorePool, weights_dir: Path, index: int
 ) -> None:
-    # Imported in the worker only: the supervisor never runs the app or a model, and torch
-    # would cost it about 130 MiB (model/__init__.py).
-    from app.server import serve
-    from model.shared_weights import WeightStore
-
     # Signals reach the workers through the supervisor only: a terminal's Ctrl-C goes to the
     # whole process group, and a worker that got it twice would skip its drain.
     os.setpgrp()
     _die_with_parent()
     limit_arenas()
+    # Imported in the worker only (and after the arena cap): the supervisor never runs the
+    # app or a model, and torch would cost it about 130 MiB (model/__init__.py).
+    from app.server import serve
+    from model.shared_weights import WeightStore
+
     configure_logging(settings.log_level, settings.log_format)
     log.info("worker started (pid %d)", os.getpid())
     balance = ConnectionBalance(counts, index)

@@ -45,12 +45,18 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'model' has no attribute {name!r}")
-    value = getattr(import_module(_LAZY[name]), name)
-    globals()[name] = value  # once imported, an ordinary attribute
-    return value
+if not TYPE_CHECKING:  # type checkers see the imports above, and flag misspelt names
+
+    def __getattr__(name: str) -> object:
+        if name not in _LAZY:
+            raise AttributeError(f"module 'model' has no attribute {name!r}")
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value  # once imported, an ordinary attribute
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

@@ -69,14 +69,3 @@ def resolve_dtype(
     return DtypeChoice(
         torch.float32, "auto: the CPU has no native bfloat16 (amx_bf16, avx512_bf16)"
     )
-
-
-if __name__ == "__main__":
-    # `python -m model.device DEVICE`: exits non-zero, with the reason as its last line, when
-    # the device cannot work (app/__main__.py asks this way, without importing torch).
-    import sys
-
-    try:
-        resolve_device(sys.argv[1])
-    except ConfigError as exc:
-        sys.exit(str(exc))
