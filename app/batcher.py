@@ -397,6 +397,9 @@ class Batcher:
         if self.cores is None:
             return self._run_model(batch)
         with self.cores.cores() as threads:
+            # On this thread, the one that runs torch: the thread count is per thread.
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
             self.metrics.forward_passes.labels(str(threads)).inc()
             return self._run_model(batch)
 

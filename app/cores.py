@@ -67,7 +67,7 @@ class CorePool:
 
 class CoreLease:
     """One worker's side: `set_busy` from its batcher, and `with lease.cores():` around each
-    forward pass, on the thread that runs torch (the thread count is per thread)."""
+    forward pass. No torch here: the supervisor makes the pool and never imports it."""
 
     def __init__(self, pool: CorePool, index: int) -> None:
         self.pool = pool
@@ -85,14 +85,9 @@ class CoreLease:
 
     @contextmanager
     def cores(self) -> Iterator[int]:
-        # Imported here: the supervisor makes the pool, and importing torch would cost it
-        # about 130 MiB (model/__init__.py).
-        import torch
-
+        """Hold this many cores for one forward pass; the caller runs it on as many threads."""
         taken = self.pool.size if self._take_all() else self._take_share()
         try:
-            if torch.get_num_threads() != taken:
-                torch.set_num_threads(taken)
             yield taken
         finally:
             fcntl.flock(self._lock_file, fcntl.LOCK_UN)

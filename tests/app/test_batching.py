@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from app.batcher import Batcher, Ticket, Wants, WorkItem
 from app.compute import ComputeThread
+from app.cores import CoreLease, CorePool
 from app.errors import ClientDisconnectedError, OverloadedError
 from app.metrics import Metrics
 from app.params import EncodeOptions
@@ -312,3 +315,29 @@ def test_the_batch_wait_ends_once_the_last_batch_s_clients_are_back(
     started = time.perf_counter()
     assert batcher._next_batch() == [first, second]
     assert time.perf_counter() - started < 5  # far below the 30 s quiet gap
+
+
+def test_each_pass_runs_on_as_many_torch_threads_as_its_cores(tiny_embedder: Embedder) -> None:
+    """Under --workers the lease says how many cores a pass may take (app/cores.py); the
+    batcher runs it on that many threads: all of them alone, its share beside a busy worker."""
+    pool = CorePool(multiprocessing.get_context("spawn"), workers=2, share=1)
+    before = torch.get_num_threads()
+    try:
+        mine, other = CoreLease(pool, 0), CoreLease(pool, 1)
+        batcher = make_batcher(tiny_embedder)
+        batcher.cores = mine
+        seen: list[int] = []
+        real = tiny_embedder.forward
+
+        def forward(*args: object, **kwargs: object) -> object:
+            seen.append(torch.get_num_threads())
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+
+        tiny_embedder.forward = forward  # type: ignore[method-assign,assignment]
+        batcher._forward(make_items([5]))
+        other.set_busy(True)
+        batcher._forward(make_items([5]))
+        assert seen == [2, 1]
+    finally:
+        torch.set_num_threads(before)
+        pool.remove()

@@ -15,20 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.synchronize import Event as EventType
 
 import pytest
-import torch
 
 from app import cores
 from app.cores import RECENTLY_BUSY, CoreLease, CorePool
 
 # Long enough for a thread that should block to have got through, were it not blocked.
 BLOCKED_FOR = 0.3
-
-
-@pytest.fixture(autouse=True)
-def keep_torch_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -47,11 +39,10 @@ def hold(lease: CoreLease, entered: Future[int], leave: threading.Event) -> None
     lease.set_busy(False)
 
 
-def test_a_lone_pass_takes_every_core_and_runs_on_as_many_threads(pool: CorePool) -> None:
+def test_a_lone_pass_takes_every_core(pool: CorePool) -> None:
     assert pool.size == 2  # 2 workers with 1 thread each, on a machine with at least 2 CPUs
     with CoreLease(pool, 0).cores() as taken:
         assert taken == 2
-        assert torch.get_num_threads() == 2
 
 
 def test_a_worker_with_queued_inputs_keeps_the_others_from_going_wide(pool: CorePool) -> None:
@@ -60,7 +51,6 @@ def test_a_worker_with_queued_inputs_keeps_the_others_from_going_wide(pool: Core
     second.set_busy(True)
     with first.cores() as taken:
         assert taken == 1
-        assert torch.get_num_threads() == 1
     second.set_busy(False)
     time.sleep(RECENTLY_BUSY * 2)
     with first.cores() as taken:
