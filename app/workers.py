@@ -169,28 +169,23 @@ def _stop(workers: list[SpawnProcess], drain_seconds: float) -> None:
 
 def check_device_in_child(device: str) -> None:
     """ConfigError unless `device` can work, checked in a spawned child process (which has
-    this process's import path) so that the supervisor itself never imports torch."""
+    this process's import path) so that the supervisor itself never imports torch; the
+    child's ConfigError comes back as it was raised."""
     if device in ("auto", "cpu"):  # always work
         return
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         try:
-            problem = pool.submit(_device_problem, device).result()
+            pool.submit(_check_device, device).result()
         except BrokenProcessPool as exc:
             message = f"device {device!r} could not be checked: the checking process died"
             raise ConfigError(message) from exc
-    if problem is not None:
-        raise ConfigError(problem)
 
 
-def _device_problem(device: str) -> str | None:
-    """In the child: why `device` cannot work, or None."""
+def _check_device(device: str) -> None:
+    """In the child; returns nothing, so that no torch object travels back."""
     from model.device import resolve_device
 
-    try:
-        resolve_device(device)
-    except ConfigError as exc:
-        return str(exc)
-    return None
+    resolve_device(device)
 
 
 def _run_worker(
@@ -202,7 +197,7 @@ def _run_worker(
     _die_with_parent()
     limit_arenas()
     # Imported in the worker only (and after the arena cap): the supervisor never runs the
-    # app or a model, and torch would cost it about 130 MiB (model/__init__.py).
+    # app or a model, and torch would cost it about 165 MiB (model/__init__.py).
     from app.server import serve
     from model.shared_weights import WeightStore
 

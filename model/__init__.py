@@ -2,7 +2,7 @@
 
 The names that need torch are imported on first use: `--workers`' supervisor reads the
 settings (the default model id, the errors) and never runs a model, and importing torch would
-cost it about 130 MiB of its own memory.
+cost it about 165 MiB (192 against 27 MiB PSS, measured).
 """
 
 from __future__ import annotations

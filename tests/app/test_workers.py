@@ -151,7 +151,7 @@ def libraries_of(pid: int) -> set[str]:
 
 
 def test_the_supervisor_never_imports_torch(workers: ServerProcess) -> None:
-    """It only spawns and watches: torch would cost it about 130 MiB (model/__init__.py)."""
+    """It only spawns and watches: torch would cost it about 165 MiB (model/__init__.py)."""
     first, _ = workers_of(workers.process.pid)
     assert "libtorch_cpu.so" in libraries_of(first)
     assert not any(name.startswith("libtorch") for name in libraries_of(workers.process.pid))
@@ -178,7 +178,7 @@ def test_a_device_that_cannot_work_stops_the_supervisor_with_the_reason(
 
 
 def test_importing_the_supervisor_imports_no_torch() -> None:
-    """The cheap guard of the test above: the supervisor's own modules, imported alone."""
+    """test_the_supervisor_never_imports_torch without a server: its modules, imported alone."""
     code = "import sys, app.__main__, app.workers; print('torch' in sys.modules)"
     imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert imported.stdout.strip() == "False", imported.stderr
