@@ -83,14 +83,15 @@ class Limits:
                     param="input",
                 )
         if attention is not None:
-            per_pair = len(attention.layers) * attention.maps_per_layer
+            # Every head asked for is computed, also for a mean over them.
+            per_pair = len(attention.layers) * len(attention.heads)
             values = sum(per_pair * len(e.ids) ** 2 for e in encoded)
             limit = self.settings.max_attention_values
             if values > limit:
                 raise ValidationFailedError(
-                    f"the attention maps asked for hold {values} values (layers x heads x "
-                    f"tokens^2), over the limit of {limit}; ask for fewer layers or heads, a "
-                    "mean over heads, or shorter inputs",
+                    f"the attention maps asked for take {values} values to compute (layers x "
+                    f"heads x tokens^2), over the limit of {limit}; ask for fewer layers or "
+                    "heads, or shorter inputs",
                     param="attention",
                 )
         return tokens

@@ -96,13 +96,6 @@ def create_app(
     app.openapi = bounded_openapi(  # type: ignore[method-assign]
         app, lambda: service.embedder.info if service.embedder else None, settings, protected
     )
-    if settings.cors_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=settings.cors_origins,
-            allow_methods=["GET", "POST"],
-            allow_headers=["*"],
-        )
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(
         ServiceMiddleware,
@@ -118,4 +111,13 @@ def create_app(
         fast_routes=FAST_ROUTES,
         balance=balance,
     )
+    if settings.cors_origins:
+        # Added last, so outermost: the fast path's answers and the errors the service
+        # middleware writes itself (401, 408, 413, 429) carry the CORS headers too.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
     return app

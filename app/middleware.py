@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.balance import ConnectionBalance
 from app.errors import (
+    ClientDisconnectedError,
     OverloadedError,
     PayloadTooLargeError,
     ServiceError,
@@ -176,8 +177,8 @@ class ServiceMiddleware:
             async with asyncio.timeout(self.body_timeout):
                 while True:
                     message = await receive()
-                    if message["type"] != "http.request":
-                        break
+                    if message["type"] == "http.disconnect":  # never a partial body as whole
+                        raise ClientDisconnectedError("the client disconnected mid-body")
                     body += message.get("body", b"")
                     if len(body) > self.payload_limit:
                         raise self._too_large()

@@ -324,7 +324,9 @@ class EmbeddingService:
             # A full queue refuses before tokenizing: under overload a 429 then costs next to
             # nothing, and comes fast.
             self.batcher.check_room(deadline - time.perf_counter())
-            encoded, tokenization = await self.tokenization.run(embedder, inputs, options)
+            encoded, tokenization = await self.tokenization.run(
+                embedder, inputs, options, deadline=deadline
+            )
             tokens = self.limits.check_tokens(encoded, options, attention, info)
             wants = Wants(
                 options.pooled,
@@ -399,10 +401,13 @@ class EmbeddingService:
         assert self.batcher is not None, "check_ready() guarantees a batcher"
         loop = asyncio.get_running_loop()
         ticket = Ticket(encoded, wants, loop.create_future())
+        timeout = self.settings.request_timeout
+        left = deadline - time.perf_counter()
+        if left <= 0:  # the tokenizer took it all: queuing would run work nobody waits for
+            raise DeadlineError(f"no result within the request timeout of {timeout} s")
         # Admitted only if the work ahead fits in the time this request has left (it may have
         # spent some waiting for its body or the tokenizer): else it would be a 504.
-        self.batcher.submit(ticket, deadline - time.perf_counter())
-        timeout = self.settings.request_timeout
+        self.batcher.submit(ticket, left)
         timer = loop.call_at(
             loop.time() + max(0.0, deadline - time.perf_counter()),
             _fail,

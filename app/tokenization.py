@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from app.errors import ValidationFailedError
+from app.errors import DeadlineError, ValidationFailedError
 from app.metrics import Metrics
 from app.params import EncodeOptions, RawInput, TextPair
 from model import Embedder, Encoded, InputError, PromptError, TokenIdError
@@ -61,8 +61,11 @@ class Tokenization:
         options: EncodeOptions,
         *,
         add_special_tokens: bool = True,
+        deadline: float | None = None,
     ) -> tuple[list[Encoded], float]:
-        """Every input encoded, in order; also the seconds it took."""
+        """Every input encoded, in order; also the seconds it took. Past `deadline`
+        (perf_counter) a request waiting for the pool gets its 504 (the pool's threads still
+        finish the work: they cannot be stopped)."""
         truncate = self.auto_truncate if options.truncate is None else options.truncate
 
         def encode_singles(items: Sequence[RawInput]) -> list[Encoded]:
@@ -99,7 +102,13 @@ class Tokenization:
             if sum(characters(item) for item in inputs) < INLINE_CHARS:
                 encoded = encode()
             else:
-                encoded = await asyncio.get_running_loop().run_in_executor(self._pool, encode)
+                pooled = asyncio.get_running_loop().run_in_executor(self._pool, encode)
+                within = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                encoded = await asyncio.wait_for(pooled, within)
+        except TimeoutError as exc:
+            raise DeadlineError(
+                "no result within the request timeout: tokenizing did not finish in time"
+            ) from exc
         except PromptError as exc:
             raise ValidationFailedError(str(exc), param="prompt_name") from exc
         except TokenIdError as exc:

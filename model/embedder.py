@@ -36,11 +36,6 @@ class AttentionSpec:
     heads: tuple[int, ...]
     mean: bool = False
 
-    @property
-    def maps_per_layer(self) -> int:
-        """(T x T) maps each layer returns: one per head, or one for the mean."""
-        return 1 if self.mean else len(self.heads)
-
 
 @dataclass(frozen=True)
 class BatchOutput:

@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from app.dependencies import ServiceDep
 from app.errors import UnavailableError
+from app.handlers import error_body
 from app.metrics import Metrics
 from app.responses import JSONResponse
 from app.routes.errors import error_responses
@@ -93,7 +94,7 @@ def tei_model_type(model: ModelInfo) -> dict[str, dict[str, object]]:
 )
 async def health(service: ServiceDep) -> JSONResponse:
     if not service.ready:
-        raise UnavailableError(service.not_ready_reason())
+        return not_ready(service.not_ready_reason())
     return JSONResponse({"status": "ok"})
 
 
@@ -116,8 +117,15 @@ async def ping(service: ServiceDep) -> JSONResponse:
 async def live(service: ServiceDep) -> JSONResponse:
     # Never touches the model; fails only when a restart is the one way back.
     if service.broken:
-        raise UnavailableError("the batch worker has stopped; the process needs a restart")
+        return not_ready("the batch worker has stopped; the process needs a restart")
     return JSONResponse({"status": "ok"})
+
+
+def not_ready(reason: str) -> JSONResponse:
+    """A probe's 503 is its answer, not a failed request: not counted in
+    embed_failures_total, which would otherwise rise with every start-up and drain."""
+    error = UnavailableError(reason)
+    return JSONResponse(error_body("/health", error), error.status)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)

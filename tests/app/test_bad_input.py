@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from starlette.types import Message, Scope
 
-from tests.app.conftest import make_settings, running_app
+from tests.app.conftest import GatedForward, make_settings, running_app, service_of
 from tests.helpers import TINY_VOCAB
 
 pytestmark = pytest.mark.anyio
@@ -321,3 +323,45 @@ async def test_unexpected_error_is_a_generic_500_with_request_id(
         }
         assert response.headers["x-request-id"] == "abc123"
         assert (await client.post("/encode", json={"inputs": "a"})).status_code == 200
+
+
+async def test_a_client_gone_mid_body_is_never_served(tiny_checkpoint: Path) -> None:
+    """A body cut short by a disconnect is not a whole body: a 499, and nothing runs (the
+    part that came, `{"inputs": "hello world"}`, would parse)."""
+    part = b'{"inputs": "hello world"}'
+    messages: list[Message] = [
+        {"type": "http.request", "body": part, "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()  # nothing more ever comes
+        raise AssertionError
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope: Scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/embed",
+        "raw_path": b"/embed",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"4000")],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8080),
+    }
+    async with running_app(make_settings(tiny_checkpoint)) as (app, client):
+        gate = GatedForward(service_of(app))
+        await app(scope, receive, send)
+        metrics = (await client.get("/metrics")).text
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert gate.batches == []
+    assert 'embed_requests_total{route="/embed",status="499"} 1.0' in metrics

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import pytest
 
 from app.batcher import Batcher
 from app.errors import OverloadedError
+from app.tokenization import INLINE_CHARS, TOKENIZER_THREADS
 from model import Embedder
 from tests.app.conftest import GatedForward, make_settings, running_app, service_of, wait_until
 from tests.app.test_batching import make_batcher, make_ticket
@@ -119,13 +122,20 @@ async def test_attention_values_per_request(tiny_checkpoint: Path) -> None:
     async with running_app(settings) as (_, client):
         at = await client.post("/encode", json={"inputs": ["hello"] * 2, "attention": attention})
         past = await client.post("/encode", json={"inputs": ["hello"] * 3, "attention": attention})
-        # A mean over heads returns one map per layer: all 4 heads cost what one does.
-        mean = {"layers": [0], "reduce": "mean"}
-        averaged = await client.post("/encode", json={"inputs": ["hello"] * 2, "attention": mean})
+        # A mean over heads returns one map per layer, but computes every head it averages:
+        # over the tiny model's 4 heads, one 3-token input takes 4 x 9 values.
+        mean_of_all = {"layers": [0], "reduce": "mean"}
+        all_heads = await client.post("/encode", json={"inputs": "hello", "attention": mean_of_all})
+        mean_of_one = {"layers": [0], "heads": [0], "reduce": "mean"}
+        one_head = await client.post(
+            "/encode", json={"inputs": ["hello"] * 2, "attention": mean_of_one}
+        )
     assert at.status_code == 200
     assert past.status_code == 422
-    assert "hold 27 values" in past.json()["error"] and "limit of 18" in past.json()["error"]
-    assert averaged.status_code == 200
+    assert "take 27 values" in past.json()["error"] and "limit of 18" in past.json()["error"]
+    assert all_heads.status_code == 422
+    assert "take 36 values" in all_heads.json()["error"]
+    assert one_head.status_code == 200
 
 
 async def test_attention_values_per_batch(tiny_checkpoint: Path) -> None:
@@ -287,3 +297,48 @@ async def test_body_timeout(tiny_checkpoint: Path) -> None:
         "error": "the body did not arrive within the body timeout of 1 s",
         "error_type": "BodyTimeout",
     }
+
+
+async def test_a_request_whose_time_went_on_tokenizing_is_not_queued(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past its deadline once tokenized: a 504 at once, and the model never runs its inputs
+    (nobody waits for them)."""
+    settings = make_settings(tiny_checkpoint, request_timeout=0.5)
+    async with running_app(settings) as (app, client):
+        service = service_of(app)
+        gate = GatedForward(service)
+        tokenize = service.tokenization.run
+
+        async def slow_tokenize(*args: Any, **kwargs: Any) -> Any:
+            done = await tokenize(*args, **kwargs)
+            await asyncio.sleep(0.6)
+            return done
+
+        monkeypatch.setattr(service.tokenization, "run", slow_tokenize)
+        assert service.batcher is not None
+        submitted: list[object] = []
+        monkeypatch.setattr(service.batcher, "submit", lambda *args: submitted.append(args))
+        late = await client.post("/embed", json={"inputs": "hello"})
+    assert late.status_code == 504
+    assert late.json()["error"] == "no result within the request timeout of 0.5 s"
+    assert submitted == [] and gate.batches == []
+
+
+async def test_a_request_waiting_for_the_tokenizer_pool_gets_its_504_in_time(
+    tiny_checkpoint: Path,
+) -> None:
+    """Large requests are tokenized in a pool; one stuck behind others there is answered at
+    its deadline, not when the pool gets to it."""
+    settings = make_settings(tiny_checkpoint, request_timeout=0.5)
+    async with running_app(settings) as (app, client):
+        service = service_of(app)
+        release = threading.Event()
+        for _ in range(TOKENIZER_THREADS):  # the pool busy with earlier work
+            service.tokenization._pool.submit(release.wait, 30)
+        started = time.perf_counter()
+        late = await client.post("/embed", json={"inputs": "word " * (INLINE_CHARS // 5 + 1)})
+        waited = time.perf_counter() - started
+        release.set()
+    assert late.status_code == 504 and late.json()["error_type"] == "Timeout"
+    assert waited < 5

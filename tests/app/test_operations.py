@@ -92,3 +92,55 @@ def test_auto_dtype_takes_bfloat16_only_where_the_cpu_computes_it() -> None:
     plain = resolve_dtype("auto", cpu, frozenset({"avx2", "avx512f"}))
     assert plain.name == "float32" and plain.reason.startswith("auto:")
     assert resolve_dtype("float32", cpu, frozenset({"amx_bf16"})).name == "float32"
+
+
+async def test_probes_answer_503_without_counting_failed_requests(tiny_checkpoint: Path) -> None:
+    """A readiness 503 is the probe's answer: counting it in embed_failures_total would raise
+    the failure rate at every start-up and drain."""
+    async with running_app(make_settings(tiny_checkpoint)) as (app, client):
+        service_of(app).begin_stop()
+        probes = [await client.get(path) for path in ("/health", "/ping")]
+        refused = await client.post("/embed", json={"inputs": "hello"})  # still accepted
+        service_of(app).begin_drain()
+        drained = await client.post("/embed", json={"inputs": "hello"})
+        metrics = (await client.get("/metrics")).text
+    assert [probe.status_code for probe in probes] == [503, 503]
+    assert probes[0].json() == {"error": "the server is shutting down", "error_type": "Unhealthy"}
+    assert refused.status_code == 200 and drained.status_code == 503
+    # The one refused request counts; the probes (and start-up's polling) do not.
+    assert 'embed_failures_total{reason="Unhealthy"} 1.0' in metrics
+
+
+async def test_cors_headers_on_every_answer(tiny_checkpoint: Path) -> None:
+    """The fast path and the errors the service middleware writes itself carry them too."""
+    origin = "https://a.example"
+    settings = make_settings(
+        tiny_checkpoint, cors_origins=[origin], api_key="s3cret", payload_limit=4096
+    )
+    allowed = {"authorization": "Bearer s3cret", "origin": origin}
+    async with running_app(settings) as (_, client):
+        answers = [
+            await client.post("/embed", json={"inputs": "hi"}, headers=allowed),
+            await client.post("/v1/embeddings", json={"input": "hi"}, headers=allowed),
+            await client.post("/embed", json={"inputs": "hi", "dimensions": 999}, headers=allowed),
+            await client.post("/embed", json={"inputs": "hi"}, headers={"origin": origin}),
+            await client.post(
+                "/embed",
+                content=b"x" * 5000,
+                headers={**allowed, "content-type": "application/json"},
+            ),
+            await client.get("/health", headers={"origin": origin}),
+        ]
+        preflight = await client.options(
+            "/embed", headers={"origin": origin, "access-control-request-method": "POST"}
+        )
+        stranger = await client.post(
+            "/embed", json={"inputs": "hi"}, headers={**allowed, "origin": "https://b.example"}
+        )
+    assert [answer.status_code for answer in answers] == [200, 200, 422, 401, 413, 200]
+    assert [answer.headers.get("access-control-allow-origin") for answer in answers] == [
+        origin
+    ] * len(answers)
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == origin
+    assert "access-control-allow-origin" not in stranger.headers
