@@ -25,6 +25,7 @@ from model.folder import DenseModule, FolderSpec, ScoreActivation, read_folder
 from model.heads import Head, MaskedLMHead, Task, build_head
 from model.pipeline import Dense, EmbeddingPipeline, Normalize
 from model.tokenizer import TextTokenizer
+from model.tokenizer_class import check_tokenizer_class
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +110,29 @@ def load_model(
     tokenizer_file = spec.transformer_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ConfigError(f"{tokenizer_file}: file not found")
-    tokenizer = TextTokenizer.from_file(
-        tokenizer_file,
+    tokenizer_json = tokenizer_file.read_text(encoding="utf-8")
+    tokenizer_config = spec.transformer_dir / "tokenizer_config.json"
+    check_tokenizer_class(
+        read_json_object(tokenizer_file),
+        read_json_object(tokenizer_config, required=False),
+        tokenizer_config,
+    )
+    tokenizer = TextTokenizer(
+        tokenizer_json,
         max_tokens,
         config.vocab_size,
         lowercase=spec.do_lower_case,
         truncation_side=spec.truncation_side,
+        token_types=spec.token_types,
     )
+    if tokenizer.truncation_side == "left" and spec.prompts:
+        # sentence-transformers cuts a long prompted text's start, prompt included (and
+        # pooling without the prompt then leaves out text); this server keeps the prompt.
+        raise ConfigError(
+            f"{spec.transformer_dir}: a left truncation side with prompts is not supported "
+            "(sentence-transformers cuts the prompt away from long inputs; this server keeps "
+            "it): cut on the right, or ask for a left cut per request"
+        )
     info = ModelInfo(
         model_id=model_id or str(folder),
         model_type=config.model_type,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Literal
 
 import orjson
@@ -60,8 +59,11 @@ class TextTokenizer:
         *,
         lowercase: bool = False,
         truncation_side: Direction | None = None,
+        token_types: bool = True,
     ) -> None:
         self.max_length = max_length
+        # Whether a pair's encodings carry segment ids (model/tokenizer_class.py).
+        self.token_types = token_types
         self.vocab_size = vocab_size
         # The side a request that names none is cut on: as transformers picks it, the folder's
         # tokenizer_config.json (`truncation_side`), else the truncation tokenizer.json saved
@@ -82,24 +84,6 @@ class TextTokenizer:
         added = self._untruncated.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
         self._prompt_lengths: dict[str, int] = {}
-
-    @classmethod
-    def from_file(
-        cls,
-        path: Path,
-        max_length: int,
-        vocab_size: int,
-        *,
-        lowercase: bool = False,
-        truncation_side: Direction | None = None,
-    ) -> TextTokenizer:
-        return cls(
-            path.read_text(encoding="utf-8"),
-            max_length,
-            vocab_size,
-            lowercase=lowercase,
-            truncation_side=truncation_side,
-        )
 
     def _configured(self, tokenizer_json: str, direction: Direction | None) -> Tokenizer:
         # tokenizer.json files often carry padding and truncation from training; drop both.
@@ -204,7 +188,7 @@ class TextTokenizer:
                     ],
                     special=[bool(flag) for flag in encoding.special_tokens_mask],
                     truncated=any(was_cut) or kept != counts,
-                    type_ids=encoding.type_ids,
+                    type_ids=encoding.type_ids if self.token_types else None,
                 )
             )
         return results

@@ -72,6 +72,9 @@ class BertConfig(EncoderConfig):
     def from_hf(cls, config: ConfigReader) -> BertConfig:
         model_type = str(config.raw["model_type"])
         config.expect("position_embedding_type", "absolute", "absolute")
+        # transformers runs a decoder's self-attention causally: each token sees only those
+        # before it. This encoder attends both ways.
+        config.expect("is_decoder", False, False)
         is_roberta = model_type != "bert"
         pad_token_id = config.integer("pad_token_id", 1 if is_roberta else 0)
         return cls(

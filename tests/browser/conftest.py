@@ -30,9 +30,10 @@ CHROMIUM_FLAGS = [
     "--disable-sync",
 ]
 API_KEY = "playground-test-key"
-# Small enough that a 30-token sentence's map (900 values) is over it, large enough for the
-# short sentences' maps (under 20 tokens, so under 400 values).
-MAX_ATTENTION_VALUES = 400
+# The playground asks for a mean over the default model's 12 heads, which computes each: small
+# enough that a 30-token sentence's maps (12 x 900 values) are over it, large enough for the
+# short sentences' (under 20 tokens, so under 12 x 400 values).
+MAX_ATTENTION_VALUES = 12 * 400
 # Collects the page's Content-Security-Policy violations; Playwright injects it before any
 # page script, outside the page's CSP.
 RECORD_CSP_VIOLATIONS = """

@@ -35,6 +35,7 @@ def test_bert_and_roberta_configs() -> None:
         ({"num_hidden_layers": "six"}, "'num_hidden_layers' must be a positive integer"),
         ({"hidden_act": "swish"}, "unsupported hidden_act 'swish'"),
         ({"position_embedding_type": "relative_key"}, "position_embedding_type"),
+        ({"is_decoder": True}, "unsupported is_decoder True"),
         ({"num_attention_heads": 5}, "not divisible"),
     ],
 )

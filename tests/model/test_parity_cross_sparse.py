@@ -200,3 +200,18 @@ def test_sparse_encoder_in_the_older_format(tmp_path: Path) -> None:
     for name, content in files.items():
         (tmp_path / name).write_text(json.dumps(content))
     check_sparse_encoder(tmp_path)
+
+
+def test_cross_encoder_whose_tokenizer_gives_no_segment_ids(tmp_path: Path) -> None:
+    """model_input_names without token_type_ids: transformers hands the model no segment ids,
+    so the second text of a pair is segment 0 as well (the scores change: the trained
+    segment embeddings differ)."""
+    save_task_model(tmp_path / "hf", CLASSIFIERS["bert"], "bert", **labelled(1))
+    CrossEncoder(str(tmp_path / "hf"), device="cpu").save_pretrained(str(tmp_path / "ce"))
+    settings_path = tmp_path / "ce" / "tokenizer_config.json"
+    settings = json.loads(settings_path.read_text())
+    settings["model_input_names"] = ["input_ids", "attention_mask"]
+    settings_path.write_text(json.dumps(settings))
+    check_cross_encoder(tmp_path / "ce", 1)
+    with_segments = load(tmp_path / "hf")
+    assert (scores(with_segments) - scores(load(tmp_path / "ce"))).abs().max() > 1e-3

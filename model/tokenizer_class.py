@@ -1,0 +1,130 @@
+"""What transformers' tokenizer class takes from tokenizer_config.json over tokenizer.json.
+
+sentence-transformers tokenizes with transformers' AutoTokenizer. For BERT, DistilBERT and
+MPNet, the tokenizer class rebuilds parts of tokenizer.json from tokenizer_config.json: the
+normalizer from `do_lower_case` (true when the file does not say), `strip_accents` and
+`tokenize_chinese_chars` (transformers 4 where these differ from tokenizer.json's; transformers
+5 always, with its own pre-tokenizer and `[CLS] $A [SEP]` template too). This server tokenizes
+with tokenizer.json as saved, so a folder whose two files disagree is refused, naming the key:
+which of the two the reference follows depends on its version. And a tokenizer whose
+`model_input_names` leave out `token_type_ids` gives the model no segment ids, so a pair's
+second text is embedded as segment 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from model.errors import ConfigError
+
+# The classes (without transformers' "Fast" suffix) that rebuild the pipeline, with the
+# [CLS] and [SEP] tokens they use when tokenizer_config.json names none.
+_REBUILDING_CLASSES = {
+    "BertTokenizer": ("[CLS]", "[SEP]"),
+    "DistilBertTokenizer": ("[CLS]", "[SEP]"),
+    "MPNetTokenizer": ("<s>", "</s>"),
+}
+# BertNormalizer's settings and the tokenizer_config.json key each one is rebuilt from.
+_NORMALIZER_KEYS = {
+    "lowercase": "do_lower_case",
+    "strip_accents": "strip_accents",
+    "handle_chinese_chars": "tokenize_chinese_chars",
+}
+
+
+def uses_token_types(tokenizer_config: Mapping[str, Any]) -> bool:
+    """Whether the tokenizer hands the model segment ids (`model_input_names`)."""
+    names = tokenizer_config.get("model_input_names")
+    return not isinstance(names, list) or "token_type_ids" in names
+
+
+def check_tokenizer_class(
+    tokenizer_json: Mapping[str, Any],
+    tokenizer_config: Mapping[str, Any],
+    config_path: Path,
+) -> None:
+    """Refuse a tokenizer.json that the tokenizer class tokenizer_config.json names would
+    rebuild differently. (Sentence-transformers folders name it; without, AutoTokenizer would
+    pick one by the model type, which is not checked here.)"""
+    name = tokenizer_config.get("tokenizer_class")
+    if not isinstance(name, str) or name.removesuffix("Fast") not in _REBUILDING_CLASSES:
+        return
+    json_path = config_path.with_name("tokenizer.json")
+    cls_token, sep_token = _REBUILDING_CLASSES[name.removesuffix("Fast")]
+
+    def refuse(what: str) -> ConfigError:
+        return ConfigError(
+            f"{json_path}: {what}, where {name} (tokenizer_class, {config_path.name}) builds "
+            "its own: this server tokenizes with tokenizer.json as saved, so the two must agree"
+        )
+
+    saved_normalizer = tokenizer_json.get("normalizer") or {}
+    normalizer = _bert_normalizer(saved_normalizer)
+    if normalizer is None or not normalizer.get("clean_text", True):
+        raise refuse(f"the normalizer is {_describe(saved_normalizer)}, not a BertNormalizer")
+    rebuilt = {
+        "lowercase": tokenizer_config.get("do_lower_case", True),
+        "strip_accents": tokenizer_config.get("strip_accents"),
+        "handle_chinese_chars": tokenizer_config.get("tokenize_chinese_chars", True),
+    }
+    saved = {
+        "lowercase": normalizer.get("lowercase", True),
+        "strip_accents": normalizer.get("strip_accents"),
+        "handle_chinese_chars": normalizer.get("handle_chinese_chars", True),
+    }
+    for setting in (rebuilt, saved):  # unset strip_accents follows lowercase
+        if setting["strip_accents"] is None:
+            setting["strip_accents"] = setting["lowercase"]
+    for key, config_key in _NORMALIZER_KEYS.items():
+        if saved[key] != rebuilt[key]:
+            raise refuse(
+                f"the normalizer's {key} is {saved[key]}, but {config_key} in "
+                f"{config_path.name} makes it {rebuilt[key]}"
+            )
+    pre_tokenizer = tokenizer_json.get("pre_tokenizer") or {}
+    if pre_tokenizer.get("type") != "BertPreTokenizer":
+        raise refuse(f"the pre-tokenizer is {_describe(pre_tokenizer)}, not a BertPreTokenizer")
+    expected = [
+        _token(tokenizer_config.get("cls_token"), cls_token),
+        "$A",
+        _token(tokenizer_config.get("sep_token"), sep_token),
+    ]
+    template = _single_template(tokenizer_json.get("post_processor") or {})
+    if template != expected:
+        shown = " ".join(template) if template else "not a template"
+        raise refuse(f"a single text becomes {shown!r}, not {' '.join(expected)!r}")
+
+
+def _bert_normalizer(normalizer: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The BertNormalizer, alone or behind the Lowercase that sentence-transformers 6 saves
+    for its own `do_lower_case` (honoured as the model was built: model/folder.py)."""
+    steps = normalizer.get("normalizers", []) if normalizer.get("type") == "Sequence" else []
+    if len(steps) == 2 and steps[0].get("type") == "Lowercase":
+        normalizer = steps[1]
+    return normalizer if normalizer.get("type") == "BertNormalizer" else None
+
+
+def _describe(component: Mapping[str, Any]) -> str:
+    return repr(component.get("type")) if component else "missing"
+
+
+def _token(value: object, default: str) -> str:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else default
+
+
+def _single_template(post_processor: Mapping[str, Any]) -> list[str] | None:
+    """What the post-processor makes of one text: special tokens and `$A`."""
+    kind = post_processor.get("type")
+    if kind in ("BertProcessing", "RobertaProcessing"):
+        return [str(post_processor["cls"][0]), "$A", str(post_processor["sep"][0])]
+    if kind == "TemplateProcessing":
+        return [
+            str(piece["SpecialToken"]["id"]) if "SpecialToken" in piece else "$A"
+            for piece in post_processor.get("single", [])
+        ]
+    return None
