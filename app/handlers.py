@@ -21,7 +21,7 @@ from app.errors import (
 )
 from app.metrics import Metrics
 from app.responses import JSONResponse
-from app.schemas import INPUTS_DESCRIPTION
+from app.schemas import IDS_DESCRIPTION, INPUTS_DESCRIPTION
 
 _HTTP_TYPES = {404: "NotFound", 405: "MethodNotAllowed"}
 
@@ -112,11 +112,16 @@ def _not_unicode(errors: Sequence[Any]) -> ValidationFailedError | None:
 def _first_problem(errors: Sequence[Any]) -> ValidationFailedError:
     loc = [str(part) for part in errors[0].get("loc", ()) if part != "body"]
     field = loc[0] if loc else None
-    if field in ("inputs", "input") and _is_union_error(loc):
+    if field in _UNION_FIELDS and _is_union_error(loc):
         # A union: pydantic reports one error per branch, none of which says what would fit.
-        return ValidationFailedError(f"{field}: expected {INPUTS_DESCRIPTION.lower()}", param=field)
+        expected = _UNION_FIELDS[field].lower()
+        return ValidationFailedError(f"{field}: expected {expected}", param=field)
     where = ".".join(loc)
     return ValidationFailedError(f"{where or 'body'}: {errors[0].get('msg')}", param=where or None)
+
+
+# Fields whose type is a union, and what fits them.
+_UNION_FIELDS = {"inputs": INPUTS_DESCRIPTION, "input": INPUTS_DESCRIPTION, "ids": IDS_DESCRIPTION}
 
 
 def _is_union_error(loc: Sequence[str]) -> bool:

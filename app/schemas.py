@@ -57,6 +57,9 @@ Inputs = (
 INPUTS_DESCRIPTION = (
     "A string, a list of token ids, or a list mixing strings and lists of token ids."
 )
+IDS_DESCRIPTION = (
+    "One list of token ids (integers from 0), or a list of such lists; none of them empty."
+)
 Dimensions = Annotated[
     StrictInt, Field(ge=1, json_schema_extra=bound("dimensions")), BeforeValidator(_integral)
 ]
@@ -174,8 +177,8 @@ class SimilarityRequest(Request):
 class DecodeRequest(Request):
     ids: (
         Annotated[list[TokenId], Field(min_length=1)]
-        | list[Annotated[list[TokenId], Field(min_length=1)]]
-    ) = Field(description="One list of token ids, or a list of them.")
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    ) = Field(description=IDS_DESCRIPTION)
     skip_special_tokens: StrictBool = Field(
         True, description="Leave [CLS], [SEP] and the like out."
     )

@@ -419,6 +419,9 @@ class EmbeddingService:
             watcher.add_done_callback(lambda done: _on_disconnect(done, ticket))
         try:
             results = await ticket.future
+        except asyncio.CancelledError:  # with its task (uvicorn's at shutdown): nobody waits
+            ticket.abandoned = True
+            raise
         finally:
             timer.cancel()
             if watcher is not None:

@@ -365,3 +365,17 @@ async def test_a_client_gone_mid_body_is_never_served(tiny_checkpoint: Path) -> 
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
     assert gate.batches == []
     assert 'embed_requests_total{route="/embed",status="499"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("ids", [[], [[]], [[4, 5], []], "x", [4, -1], [[4], 5]])
+async def test_decode_says_what_ids_it_takes(tiny_checkpoint: Path, ids: object) -> None:
+    """Its field is a union (one list, or lists): the error says what fits, not which of
+    pydantic's branches failed first."""
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        response = await client.post("/decode", json={"ids": ids})
+    assert response.status_code == 422
+    assert response.json() == {
+        "error": "ids: expected one list of token ids (integers from 0), or a list of such "
+        "lists; none of them empty.",
+        "error_type": "Validation",
+    }

@@ -142,6 +142,28 @@ async def test_disconnected_client_is_dropped_before_it_runs(tiny_checkpoint: Pa
     assert not any(fox in ids for batch in gate.batches for ids in batch)
 
 
+async def test_a_cancelled_request_is_dropped_before_it_runs(tiny_checkpoint: Path) -> None:
+    """Cancelled with its task (as uvicorn cancels requests at shutdown): nobody waits for its
+    results, so the worker drops its inputs."""
+    async with running_app(make_settings(tiny_checkpoint, max_batch_inputs=1)) as (app, client):
+        service = service_of(app)
+        gate = GatedForward(service)
+        held = await gate.hold(client)
+        queued = asyncio.create_task(service.encode(["fox"], EncodeOptions()))
+        batcher = service.batcher
+        assert batcher is not None
+        await wait_until(lambda: batcher.depth == 1)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        gate.gate.set()
+        await held
+        after = await client.post("/embed", json={"inputs": "dog"})  # the worker carries on
+    assert after.status_code == 200
+    fox = TINY_VOCAB.index("fox")
+    assert not any(fox in ids for batch in gate.batches for ids in batch)
+
+
 def make_ticket(*lengths: int, wants: Wants | None = None) -> Ticket:
     """One request's ticket, inputs of these token counts; its future is never awaited."""
     loop = asyncio.new_event_loop()
