@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import orjson
 import torch
 from torch import nn
 
@@ -25,7 +26,7 @@ from model.folder import DenseModule, FolderSpec, ScoreActivation, read_folder
 from model.heads import Head, MaskedLMHead, Task, build_head
 from model.pipeline import Dense, EmbeddingPipeline, Normalize
 from model.tokenizer import TextTokenizer
-from model.tokenizer_class import check_tokenizer_class
+from model.tokenizer_class import check_tokenizer_class, checks_tokenizer_json
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +112,10 @@ def load_model(
     if not tokenizer_file.is_file():
         raise ConfigError(f"{tokenizer_file}: file not found")
     tokenizer_json = tokenizer_file.read_text(encoding="utf-8")
-    tokenizer_config = spec.transformer_dir / "tokenizer_config.json"
-    check_tokenizer_class(
-        read_json_object(tokenizer_file),
-        read_json_object(tokenizer_config, required=False),
-        tokenizer_config,
-    )
+    settings_path = spec.transformer_dir / "tokenizer_config.json"
+    tokenizer_settings = read_json_object(settings_path, required=False)
+    if checks_tokenizer_json(tokenizer_settings):
+        check_tokenizer_class(orjson.loads(tokenizer_json), tokenizer_settings, settings_path)
     tokenizer = TextTokenizer(
         tokenizer_json,
         max_tokens,
@@ -125,7 +124,7 @@ def load_model(
         truncation_side=spec.truncation_side,
         token_types=spec.token_types,
     )
-    if tokenizer.truncation_side == "left" and spec.prompts:
+    if tokenizer.truncation_side == "left" and any(spec.prompts.values()):
         # sentence-transformers cuts a long prompted text's start, prompt included (and
         # pooling without the prompt then leaves out text); this server keeps the prompt.
         raise ConfigError(

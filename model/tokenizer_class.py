@@ -34,10 +34,31 @@ _NORMALIZER_KEYS = {
 }
 
 
+# Tokenizer classes whose default model_input_names leave out token_type_ids (transformers
+# 5 saves no model_input_names, so the class's default holds).
+_NO_SEGMENT_IDS = (
+    "DistilBertTokenizer",
+    "MPNetTokenizer",
+    "RobertaTokenizer",
+    "XLMRobertaTokenizer",
+    "CamembertTokenizer",
+)
+
+
 def uses_token_types(tokenizer_config: Mapping[str, Any]) -> bool:
-    """Whether the tokenizer hands the model segment ids (`model_input_names`)."""
+    """Whether the tokenizer hands the model segment ids: its `model_input_names`, else its
+    class's default."""
     names = tokenizer_config.get("model_input_names")
-    return not isinstance(names, list) or "token_type_ids" in names
+    if isinstance(names, list):
+        return "token_type_ids" in names
+    name = tokenizer_config.get("tokenizer_class")
+    return not (isinstance(name, str) and name.removesuffix("Fast") in _NO_SEGMENT_IDS)
+
+
+def checks_tokenizer_json(tokenizer_config: Mapping[str, Any]) -> bool:
+    """Whether tokenizer_config.json names a class that rebuilds tokenizer.json."""
+    name = tokenizer_config.get("tokenizer_class")
+    return isinstance(name, str) and name.removesuffix("Fast") in _REBUILDING_CLASSES
 
 
 def check_tokenizer_class(
@@ -48,9 +69,9 @@ def check_tokenizer_class(
     """Refuse a tokenizer.json that the tokenizer class tokenizer_config.json names would
     rebuild differently. (Sentence-transformers folders name it; without, AutoTokenizer would
     pick one by the model type, which is not checked here.)"""
-    name = tokenizer_config.get("tokenizer_class")
-    if not isinstance(name, str) or name.removesuffix("Fast") not in _REBUILDING_CLASSES:
+    if not checks_tokenizer_json(tokenizer_config):
         return
+    name = str(tokenizer_config["tokenizer_class"])
     json_path = config_path.with_name("tokenizer.json")
     cls_token, sep_token = _REBUILDING_CLASSES[name.removesuffix("Fast")]
 
@@ -121,10 +142,11 @@ def _single_template(post_processor: Mapping[str, Any]) -> list[str] | None:
     """What the post-processor makes of one text: special tokens and `$A`."""
     kind = post_processor.get("type")
     if kind in ("BertProcessing", "RobertaProcessing"):
-        return [str(post_processor["cls"][0]), "$A", str(post_processor["sep"][0])]
+        cls, sep = post_processor.get("cls") or [None], post_processor.get("sep") or [None]
+        return [str(cls[0]), "$A", str(sep[0])]
     if kind == "TemplateProcessing":
         return [
-            str(piece["SpecialToken"]["id"]) if "SpecialToken" in piece else "$A"
+            str(piece.get("SpecialToken", {}).get("id")) if "Sequence" not in piece else "$A"
             for piece in post_processor.get("single", [])
         ]
     return None

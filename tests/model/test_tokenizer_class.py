@@ -19,6 +19,7 @@ import torch
 
 from model import ConfigError, Embedder
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
+from model.tokenizer_class import uses_token_types
 
 MINILM = resolve_model_dir(DEFAULT_MODEL_ID)
 Edit = Callable[[dict[str, Any]], None]
@@ -137,5 +138,25 @@ def test_a_left_cut_by_default_with_prompts_is_refused(tmp_path: Path) -> None:
     (folder / "config_sentence_transformers.json").write_text(json.dumps(prompts))
     with pytest.raises(ConfigError, match="a left truncation side with prompts"):
         load(folder)
-    (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {}}))
-    assert load(folder).tokenizer.truncation_side == "left"  # alone it is honoured
+    # Alone it is honoured, also beside the empty prompts sentence-transformers 6 saves.
+    empty = {"prompts": {"query": "", "document": ""}, "default_prompt_name": None}
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(empty))
+    assert load(folder).tokenizer.truncation_side == "left"
+
+
+@pytest.mark.parametrize(
+    ("settings", "segments"),
+    [
+        ({}, True),
+        ({"tokenizer_class": "BertTokenizerFast"}, True),
+        # transformers 5 saves no model_input_names: the class's default holds.
+        ({"tokenizer_class": "DistilBertTokenizerFast"}, False),
+        ({"tokenizer_class": "XLMRobertaTokenizer"}, False),
+        ({"tokenizer_class": "BertTokenizer", "model_input_names": ["input_ids"]}, False),
+        ({"tokenizer_class": "MPNetTokenizer", "model_input_names": ["token_type_ids"]}, True),
+    ],
+)
+def test_segment_ids_follow_the_tokenizer_s_model_input_names(
+    settings: dict[str, Any], segments: bool
+) -> None:
+    assert uses_token_types(settings) is segments
