@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.balance import ConnectionBalance
 from app.errors import (
     ClientDisconnectedError,
+    MalformedRequestError,
     OverloadedError,
     PayloadTooLargeError,
     ServiceError,
@@ -122,6 +123,8 @@ class ServiceMiddleware:
                     if response is not None:
                         await response(scope, receive, send_with_id)
                         return
+                if is_json(content_type):
+                    _check_utf8(raw)
             await self.app(scope, receive, send_with_id)
         except ServiceError as error:  # raised here (limits, the API key) or by a fast route
             response = render_error(self.metrics, path, error, request_id)
@@ -204,3 +207,12 @@ class ServiceMiddleware:
         return PayloadTooLargeError(
             f"the body is over the payload limit of {self.payload_limit} bytes"
         )
+
+
+def _check_utf8(raw: bytes) -> None:
+    """JSON travels as UTF-8 (RFC 8259); the framework's parser would also take UTF-16 and
+    UTF-32. (The fast path's parser takes UTF-8 only: what it accepts never gets here.)"""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedRequestError("the body is not UTF-8, as JSON must be") from exc

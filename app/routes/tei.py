@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TypeVar
 
 import orjson
@@ -133,5 +134,15 @@ def parse(model: type[Model], raw: bytes) -> Model:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        errors = [{**error, "loc": ("body", *error["loc"])} for error in exc.errors()]
-        raise RequestValidationError(errors) from exc
+        error = exc
+    if any(e["type"] == "json_invalid" for e in error.errors()):
+        # pydantic's parser refuses what FastAPI's json.loads takes (a lone surrogate, whose
+        # error says so): validate that, so that the errors are the same.
+        try:
+            return model.model_validate(json.loads(raw))
+        except ValidationError as again:
+            error = again
+        except ValueError:  # not JSON to either parser
+            pass
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors()]
+    raise RequestValidationError(errors) from error

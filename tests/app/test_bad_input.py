@@ -379,3 +379,33 @@ async def test_decode_says_what_ids_it_takes(tiny_checkpoint: Path, ids: object)
         "lists; none of them empty.",
         "error_type": "Validation",
     }
+
+
+@pytest.mark.parametrize("path", ["/embed", "/tokenize", "/v1/embeddings"])
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+async def test_a_body_that_is_not_utf8_is_malformed(
+    tiny_checkpoint: Path, path: str, encoding: str
+) -> None:
+    """JSON travels as UTF-8 (RFC 8259); the framework's own parser would take these too."""
+    body = json.dumps({"inputs": "hello", "input": "hello"}).encode(encoding)
+    headers = {"content-type": "application/json"}
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        response = await client.post(path, content=body, headers=headers)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    message = error["message"] if path.startswith("/v1/") else error
+    assert message == "the body is not UTF-8, as JSON must be"
+
+
+async def test_post_root_answers_a_lone_surrogate_as_embed_does(tiny_checkpoint: Path) -> None:
+    """`"\\ud800"` is valid JSON but not text: /embed says so with a 422, and so does POST /,
+    whose own parser (pydantic's) refuses it as JSON."""
+    body = b'{"inputs": "\\ud800"}'
+    headers = {"content-type": "application/json"}
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        embed = await client.post("/embed", content=body, headers=headers)
+        root = await client.post("/", content=body, headers=headers)
+        broken = await client.post("/", content=b'{"inputs": ', headers=headers)
+    assert embed.status_code == 422 and "lone surrogate" in embed.json()["error"]
+    assert (root.status_code, root.json()) == (422, embed.json())
+    assert broken.status_code == 400 and broken.json()["error_type"] == "Malformed"
