@@ -114,7 +114,7 @@ def load_model(
     tokenizer_json = tokenizer_file.read_text(encoding="utf-8")
     settings_path = spec.transformer_dir / "tokenizer_config.json"
     tokenizer_settings = read_json_object(settings_path, required=False)
-    if checks_tokenizer_json(tokenizer_settings):
+    if checks_tokenizer_json(tokenizer_settings, config.model_type):
         check_tokenizer_class(orjson.loads(tokenizer_json), tokenizer_settings, settings_path)
     tokenizer = TextTokenizer(
         tokenizer_json,

@@ -55,10 +55,13 @@ def uses_token_types(tokenizer_config: Mapping[str, Any]) -> bool:
     return not (isinstance(name, str) and name.removesuffix("Fast") in _NO_SEGMENT_IDS)
 
 
-def checks_tokenizer_json(tokenizer_config: Mapping[str, Any]) -> bool:
-    """Whether tokenizer_config.json names a class that rebuilds tokenizer.json."""
+def checks_tokenizer_json(tokenizer_config: Mapping[str, Any], model_type: str) -> bool:
+    """Whether tokenizer_config.json names a class that rebuilds tokenizer.json. Not for
+    ModernBERT: transformers 5 loads its tokenizer.json as saved, whatever class the file
+    names (its folders on the Hub name wrong ones)."""
     name = tokenizer_config.get("tokenizer_class")
-    return isinstance(name, str) and name.removesuffix("Fast") in _REBUILDING_CLASSES
+    rebuilding = isinstance(name, str) and name.removesuffix("Fast") in _REBUILDING_CLASSES
+    return rebuilding and model_type != "modernbert"
 
 
 def check_tokenizer_class(
@@ -66,11 +69,9 @@ def check_tokenizer_class(
     tokenizer_config: Mapping[str, Any],
     config_path: Path,
 ) -> None:
-    """Refuse a tokenizer.json that the tokenizer class tokenizer_config.json names would
-    rebuild differently. (Sentence-transformers folders name it; without, AutoTokenizer would
-    pick one by the model type, which is not checked here.)"""
-    if not checks_tokenizer_json(tokenizer_config):
-        return
+    """Refuse a tokenizer.json that the tokenizer class tokenizer_config.json names (one that
+    `checks_tokenizer_json` accepts) would rebuild differently. Sentence-transformers folders
+    name it; without, AutoTokenizer would pick one by the model type, not checked here."""
     name = str(tokenizer_config["tokenizer_class"])
     json_path = config_path.with_name("tokenizer.json")
     cls_token, sep_token = _REBUILDING_CLASSES[name.removesuffix("Fast")]

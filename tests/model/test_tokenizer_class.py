@@ -19,7 +19,7 @@ import torch
 
 from model import ConfigError, Embedder
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
-from model.tokenizer_class import uses_token_types
+from model.tokenizer_class import checks_tokenizer_json, uses_token_types
 
 MINILM = resolve_model_dir(DEFAULT_MODEL_ID)
 Edit = Callable[[dict[str, Any]], None]
@@ -142,6 +142,15 @@ def test_a_left_cut_by_default_with_prompts_is_refused(tmp_path: Path) -> None:
     empty = {"prompts": {"query": "", "document": ""}, "default_prompt_name": None}
     (folder / "config_sentence_transformers.json").write_text(json.dumps(empty))
     assert load(folder).tokenizer.truncation_side == "left"
+
+
+def test_modernbert_tokenizers_are_taken_as_saved() -> None:
+    """transformers 5 loads a ModernBERT folder's tokenizer.json as it is, whatever class its
+    tokenizer_config.json names."""
+    bert_class = {"tokenizer_class": "BertTokenizerFast"}
+    assert checks_tokenizer_json(bert_class, "bert")
+    assert not checks_tokenizer_json(bert_class, "modernbert")
+    assert not checks_tokenizer_json({"tokenizer_class": "PreTrainedTokenizerFast"}, "bert")
 
 
 @pytest.mark.parametrize(
