@@ -108,15 +108,18 @@ def check_tokenizer_class(
     pre_tokenizer = tokenizer_json.get("pre_tokenizer") or {}
     if pre_tokenizer.get("type") != "BertPreTokenizer":
         raise refuse(f"the pre-tokenizer is {_describe(pre_tokenizer)}, not a BertPreTokenizer")
-    expected = [
-        _token(tokenizer_config.get("cls_token"), cls_token),
-        "$A",
-        _token(tokenizer_config.get("sep_token"), sep_token),
-    ]
-    template = _single_template(tokenizer_json.get("post_processor") or {})
-    if template != expected:
-        shown = " ".join(template) if template else "not a template"
-        raise refuse(f"a single text becomes {shown!r}, not {' '.join(expected)!r}")
+    cls = _token(tokenizer_config.get("cls_token"), cls_token)
+    sep = _token(tokenizer_config.get("sep_token"), sep_token)
+    post_processor = tokenizer_json.get("post_processor") or {}
+    # Segment ids matter only where the tokenizer hands them to the model (BERT's).
+    segments = uses_token_types(tokenizer_config)
+    for what in ("single", "pair"):
+        expected = _class_template(name, what, cls, sep)
+        template = _template(post_processor, what)
+        if template is None or _shown(template, segments) != _shown(expected, segments):
+            shown = _shown(template, segments) if template else "not a template"
+            text = "a single text" if what == "single" else "a pair"
+            raise refuse(f"{text} becomes {shown!r}, not {_shown(expected, segments)!r}")
 
 
 def _bert_normalizer(normalizer: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -139,15 +142,50 @@ def _token(value: object, default: str) -> str:
     return value if isinstance(value, str) else default
 
 
-def _single_template(post_processor: Mapping[str, Any]) -> list[str] | None:
-    """What the post-processor makes of one text: special tokens and `$A`."""
+# A template's pieces: a special token or `$A` / `$B`, and its segment id.
+Piece = tuple[str, int]
+
+
+def _class_template(name: str, what: str, cls: str, sep: str) -> list[Piece]:
+    """What the class builds: BERT's `[CLS] $A [SEP] $B:1 [SEP]:1`; MPNet's RobertaProcessing
+    `<s> $A </s> </s> $B </s>`."""
+    single = [(cls, 0), ("$A", 0), (sep, 0)]
+    if what == "single":
+        return single
+    if name.removesuffix("Fast") == "MPNetTokenizer":
+        return [*single, (sep, 0), ("$B", 0), (sep, 0)]
+    return [*single, ("$B", 1), (sep, 1)]
+
+
+def _template(post_processor: Mapping[str, Any], what: str) -> list[Piece] | None:
+    """What tokenizer.json's post-processor makes of one text or of a pair."""
     kind = post_processor.get("type")
     if kind in ("BertProcessing", "RobertaProcessing"):
-        cls, sep = post_processor.get("cls") or [None], post_processor.get("sep") or [None]
-        return [str(cls[0]), "$A", str(sep[0])]
+        cls = str((post_processor.get("cls") or [None])[0])
+        sep = str((post_processor.get("sep") or [None])[0])
+        single = [(cls, 0), ("$A", 0), (sep, 0)]
+        if what == "single":
+            return single
+        if kind == "RobertaProcessing":
+            return [*single, (sep, 0), ("$B", 0), (sep, 0)]
+        return [*single, ("$B", 1), (sep, 1)]
     if kind == "TemplateProcessing":
-        return [
-            str(piece.get("SpecialToken", {}).get("id")) if "Sequence" not in piece else "$A"
-            for piece in post_processor.get("single", [])
-        ]
+        pieces = []
+        for piece in post_processor.get(what, []):
+            if "Sequence" in piece:
+                sequence = piece["Sequence"]
+                pieces.append((f"${sequence.get('id')}", int(sequence.get("type_id", 0))))
+            else:
+                special = piece.get("SpecialToken", {})
+                pieces.append((str(special.get("id")), int(special.get("type_id", 0))))
+        return pieces
     return None
+
+
+def _show(piece: Piece, segments: bool) -> str:
+    token, segment = piece
+    return f"{token}:{segment}" if segments and segment else token
+
+
+def _shown(pieces: list[Piece], segments: bool) -> str:
+    return " ".join(_show(piece, segments) for piece in pieces)

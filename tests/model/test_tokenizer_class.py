@@ -19,7 +19,11 @@ import torch
 
 from model import ConfigError, Embedder
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
-from model.tokenizer_class import checks_tokenizer_json, uses_token_types
+from model.tokenizer_class import (
+    check_tokenizer_class,
+    checks_tokenizer_json,
+    uses_token_types,
+)
 
 MINILM = resolve_model_dir(DEFAULT_MODEL_ID)
 Edit = Callable[[dict[str, Any]], None]
@@ -68,6 +72,11 @@ def no_sep_template(tokenizer: dict[str, Any]) -> None:
     ]
 
 
+def pair_in_one_segment(tokenizer: dict[str, Any]) -> None:
+    for piece in tokenizer["post_processor"]["pair"]:
+        next(iter(piece.values()))["type_id"] = 0
+
+
 def whitespace_pre_tokenizer(tokenizer: dict[str, Any]) -> None:
     tokenizer["pre_tokenizer"] = {"type": "Whitespace"}
 
@@ -86,6 +95,7 @@ def whitespace_pre_tokenizer(tokenizer: dict[str, Any]) -> None:
         (whitespace_pre_tokenizer, None, "the pre-tokenizer is 'Whitespace'"),
         (no_sep_template, None, "a single text becomes '\\[CLS\\] \\$A', not"),
         (None, setting("sep_token", "[END]"), "not '\\[CLS\\] \\$A \\[END\\]'"),
+        (pair_in_one_segment, None, "a pair becomes .*, not '.* \\$B:1 \\[SEP\\]:1'"),
     ],
 )
 def test_a_tokenizer_the_class_would_rebuild_otherwise_is_refused(
@@ -169,3 +179,23 @@ def test_segment_ids_follow_the_tokenizer_s_model_input_names(
     settings: dict[str, Any], segments: bool
 ) -> None:
     assert uses_token_types(settings) is segments
+
+
+MPNET_JSON: dict[str, Any] = {
+    "normalizer": {"type": "BertNormalizer", "lowercase": True, "strip_accents": None},
+    "pre_tokenizer": {"type": "BertPreTokenizer"},
+    # What transformers 5 saves for MPNet.
+    "post_processor": {"type": "RobertaProcessing", "sep": ["</s>", 2], "cls": ["<s>", 0]},
+}
+
+
+def test_mpnet_s_own_template_passes_and_bert_s_does_not(tmp_path: Path) -> None:
+    settings = {"tokenizer_class": "MPNetTokenizerFast"}
+    check_tokenizer_class(MPNET_JSON, settings, tmp_path / "tokenizer_config.json")
+    bert_template = {"type": "BertProcessing", "sep": ["</s>", 2], "cls": ["<s>", 0]}
+    with pytest.raises(ConfigError, match="a pair becomes '<s> \\$A </s> \\$B </s>'"):
+        check_tokenizer_class(
+            {**MPNET_JSON, "post_processor": bert_template},
+            settings,
+            tmp_path / "tokenizer_config.json",
+        )
