@@ -324,9 +324,12 @@ class EmbeddingService:
             # A full queue refuses before tokenizing: under overload a 429 then costs next to
             # nothing, and comes fast.
             self.batcher.check_room(deadline - time.perf_counter())
-            encoded, tokenization = await self.tokenization.run(
-                embedder, inputs, options, deadline=deadline
-            )
+            try:
+                encoded, tokenization = await self.tokenization.run(
+                    embedder, inputs, options, deadline=deadline
+                )
+            except TimeoutError as exc:  # still waiting for the tokenizer's threads
+                raise self._deadline_error() from exc
             tokens = self.limits.check_tokens(encoded, options, attention, info)
             wants = Wants(
                 options.pooled,
@@ -386,6 +389,11 @@ class EmbeddingService:
         if self.inflight == 0:
             self._idle.set()
 
+    def _deadline_error(self) -> DeadlineError:
+        return DeadlineError(
+            f"no result within the request timeout of {self.settings.request_timeout} s"
+        )
+
     async def _run(
         self,
         encoded: list[Encoded],
@@ -401,10 +409,9 @@ class EmbeddingService:
         assert self.batcher is not None, "check_ready() guarantees a batcher"
         loop = asyncio.get_running_loop()
         ticket = Ticket(encoded, wants, loop.create_future())
-        timeout = self.settings.request_timeout
         left = deadline - time.perf_counter()
         if left <= 0:  # the tokenizer took it all: queuing would run work nobody waits for
-            raise DeadlineError(f"no result within the request timeout of {timeout} s")
+            raise self._deadline_error()
         # Admitted only if the work ahead fits in the time this request has left (it may have
         # spent some waiting for its body or the tokenizer): else it would be a 504.
         self.batcher.submit(ticket, left)
@@ -412,7 +419,7 @@ class EmbeddingService:
             loop.time() + max(0.0, deadline - time.perf_counter()),
             _fail,
             ticket,
-            DeadlineError(f"no result within the request timeout of {timeout} s"),
+            self._deadline_error(),
         )
         watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
         if watcher is not None:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from app.errors import DeadlineError, ValidationFailedError
+from app.errors import ValidationFailedError
 from app.metrics import Metrics
 from app.params import EncodeOptions, RawInput, TextPair
 from model import Embedder, Encoded, InputError, PromptError, TokenIdError
@@ -63,9 +63,9 @@ class Tokenization:
         add_special_tokens: bool = True,
         deadline: float | None = None,
     ) -> tuple[list[Encoded], float]:
-        """Every input encoded, in order; also the seconds it took. Past `deadline`
-        (perf_counter) a request waiting for the pool gets its 504 (the pool's threads still
-        finish the work: they cannot be stopped)."""
+        """Every input encoded, in order; also the seconds it took. TimeoutError past
+        `deadline` (perf_counter) while waiting for the pool (whose threads still finish the
+        work: they cannot be stopped)."""
         truncate = self.auto_truncate if options.truncate is None else options.truncate
 
         def encode_singles(items: Sequence[RawInput]) -> list[Encoded]:
@@ -105,10 +105,6 @@ class Tokenization:
                 pooled = asyncio.get_running_loop().run_in_executor(self._pool, encode)
                 within = None if deadline is None else max(0.0, deadline - time.perf_counter())
                 encoded = await asyncio.wait_for(pooled, within)
-        except TimeoutError as exc:
-            raise DeadlineError(
-                "no result within the request timeout: tokenizing did not finish in time"
-            ) from exc
         except PromptError as exc:
             raise ValidationFailedError(str(exc), param="prompt_name") from exc
         except TokenIdError as exc:

@@ -32,7 +32,6 @@ from model.heads import Splade, Task
 from model.pipeline import ACTIVATIONS, DenseSpec, Pooling, PoolingMode
 from model.similarity import check_similarity_fn
 from model.tokenizer import Direction
-from model.tokenizer_class import uses_token_types
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +143,9 @@ class FolderSpec:
     do_lower_case: bool = False
     # tokenizer_config.json's truncation_side; None: what tokenizer.json saved, else the right.
     truncation_side: Direction | None = None
-    # Whether the tokenizer gives the model segment ids (tokenizer_config.json's
-    # model_input_names): without, a pair's second text is segment 0 too.
-    token_types: bool = True
+    # tokenizer_config.json's keys, read once here: its tokenizer class (segment ids, and
+    # what tokenizer.json must agree with) is checked where the tokenizer is built.
+    tokenizer_settings: Mapping[str, Any] = field(default_factory=dict)
     prompts: Mapping[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     similarity_fn_name: str = "cosine"
@@ -467,7 +466,7 @@ def _transformer_settings(folder: Path, task: Task, kind: str = "Transformer") -
         "max_seq_length": max_seq_length,
         "do_lower_case": do_lower_case,
         "truncation_side": _truncation_side(tokenizer_path, tokenizer_config),
-        "token_types": uses_token_types(tokenizer_config),
+        "tokenizer_settings": tokenizer_config,
     }
 
 

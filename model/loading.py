@@ -26,7 +26,7 @@ from model.folder import DenseModule, FolderSpec, ScoreActivation, read_folder
 from model.heads import Head, MaskedLMHead, Task, build_head
 from model.pipeline import Dense, EmbeddingPipeline, Normalize
 from model.tokenizer import TextTokenizer
-from model.tokenizer_class import check_tokenizer_class, checks_tokenizer_json
+from model.tokenizer_class import check_tokenizer_class, checks_tokenizer_json, uses_token_types
 
 log = logging.getLogger(__name__)
 
@@ -112,17 +112,16 @@ def load_model(
     if not tokenizer_file.is_file():
         raise ConfigError(f"{tokenizer_file}: file not found")
     tokenizer_json = tokenizer_file.read_text(encoding="utf-8")
-    settings_path = spec.transformer_dir / "tokenizer_config.json"
-    tokenizer_settings = read_json_object(settings_path, required=False)
-    if checks_tokenizer_json(tokenizer_settings, config.model_type):
-        check_tokenizer_class(orjson.loads(tokenizer_json), tokenizer_settings, settings_path)
+    if checks_tokenizer_json(spec.tokenizer_settings, config.model_type):
+        settings_path = spec.transformer_dir / "tokenizer_config.json"
+        check_tokenizer_class(orjson.loads(tokenizer_json), spec.tokenizer_settings, settings_path)
     tokenizer = TextTokenizer(
         tokenizer_json,
         max_tokens,
         config.vocab_size,
         lowercase=spec.do_lower_case,
         truncation_side=spec.truncation_side,
-        token_types=spec.token_types,
+        token_types=uses_token_types(spec.tokenizer_settings),
     )
     if tokenizer.truncation_side == "left" and any(spec.prompts.values()):
         # sentence-transformers cuts a long prompted text's start, prompt included (and

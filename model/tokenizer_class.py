@@ -4,7 +4,7 @@ sentence-transformers tokenizes with transformers' AutoTokenizer. For BERT, Dist
 MPNet, the tokenizer class rebuilds parts of tokenizer.json from tokenizer_config.json: the
 normalizer from `do_lower_case` (true when the file does not say), `strip_accents` and
 `tokenize_chinese_chars` (transformers 4 where these differ from tokenizer.json's; transformers
-5 always, with its own pre-tokenizer and `[CLS] $A [SEP]` template too). This server tokenizes
+5 always, with its own pre-tokenizer and single and pair templates too). This server tokenizes
 with tokenizer.json as saved, so a folder whose two files disagree is refused, naming the key:
 which of the two the reference follows depends on its version. And a tokenizer whose
 `model_input_names` leave out `token_type_ids` gives the model no segment ids, so a pair's
@@ -19,12 +19,13 @@ from typing import Any
 
 from model.errors import ConfigError
 
-# The classes (without transformers' "Fast" suffix) that rebuild the pipeline, with the
-# [CLS] and [SEP] tokens they use when tokenizer_config.json names none.
+# The classes (without transformers' "Fast" suffix) that rebuild the pipeline: the
+# post-processor each builds, and the [CLS] and [SEP] tokens it uses when tokenizer_config.json
+# names none.
 _REBUILDING_CLASSES = {
-    "BertTokenizer": ("[CLS]", "[SEP]"),
-    "DistilBertTokenizer": ("[CLS]", "[SEP]"),
-    "MPNetTokenizer": ("<s>", "</s>"),
+    "BertTokenizer": ("BertProcessing", "[CLS]", "[SEP]"),
+    "DistilBertTokenizer": ("BertProcessing", "[CLS]", "[SEP]"),
+    "MPNetTokenizer": ("RobertaProcessing", "<s>", "</s>"),
 }
 # BertNormalizer's settings and the tokenizer_config.json key each one is rebuilt from.
 _NORMALIZER_KEYS = {
@@ -74,7 +75,7 @@ def check_tokenizer_class(
     name it; without, AutoTokenizer would pick one by the model type, not checked here."""
     name = str(tokenizer_config["tokenizer_class"])
     json_path = config_path.with_name("tokenizer.json")
-    cls_token, sep_token = _REBUILDING_CLASSES[name.removesuffix("Fast")]
+    processing, cls_token, sep_token = _REBUILDING_CLASSES[name.removesuffix("Fast")]
 
     def refuse(what: str) -> ConfigError:
         return ConfigError(
@@ -114,7 +115,7 @@ def check_tokenizer_class(
     # Segment ids matter only where the tokenizer hands them to the model (BERT's).
     segments = uses_token_types(tokenizer_config)
     for what in ("single", "pair"):
-        expected = _class_template(name, what, cls, sep)
+        expected = _processing_template(processing, cls, sep, what)
         template = _template(post_processor, what)
         if template is None or _shown(template, segments) != _shown(expected, segments):
             shown = _shown(template, segments) if template else "not a template"
@@ -146,13 +147,13 @@ def _token(value: object, default: str) -> str:
 Piece = tuple[str, int]
 
 
-def _class_template(name: str, what: str, cls: str, sep: str) -> list[Piece]:
-    """What the class builds: BERT's `[CLS] $A [SEP] $B:1 [SEP]:1`; MPNet's RobertaProcessing
-    `<s> $A </s> </s> $B </s>`."""
+def _processing_template(kind: str, cls: str, sep: str, what: str) -> list[Piece]:
+    """BertProcessing's `[CLS] $A [SEP]` and `[CLS] $A [SEP] $B:1 [SEP]:1`, RobertaProcessing's
+    `<s> $A </s>` and `<s> $A </s> </s> $B </s>` (what the classes build, too)."""
     single = [(cls, 0), ("$A", 0), (sep, 0)]
     if what == "single":
         return single
-    if name.removesuffix("Fast") == "MPNetTokenizer":
+    if kind == "RobertaProcessing":
         return [*single, (sep, 0), ("$B", 0), (sep, 0)]
     return [*single, ("$B", 1), (sep, 1)]
 
@@ -163,12 +164,7 @@ def _template(post_processor: Mapping[str, Any], what: str) -> list[Piece] | Non
     if kind in ("BertProcessing", "RobertaProcessing"):
         cls = str((post_processor.get("cls") or [None])[0])
         sep = str((post_processor.get("sep") or [None])[0])
-        single = [(cls, 0), ("$A", 0), (sep, 0)]
-        if what == "single":
-            return single
-        if kind == "RobertaProcessing":
-            return [*single, (sep, 0), ("$B", 0), (sep, 0)]
-        return [*single, ("$B", 1), (sep, 1)]
+        return _processing_template(kind, cls, sep, what)
     if kind == "TemplateProcessing":
         pieces = []
         for piece in post_processor.get(what, []):

@@ -100,13 +100,13 @@ async def test_probes_answer_503_without_counting_failed_requests(tiny_checkpoin
     async with running_app(make_settings(tiny_checkpoint)) as (app, client):
         service_of(app).begin_stop()
         probes = [await client.get(path) for path in ("/health", "/ping")]
-        refused = await client.post("/embed", json={"inputs": "hello"})  # still accepted
+        accepted = await client.post("/embed", json={"inputs": "hello"})  # drain_delay
         service_of(app).begin_drain()
         drained = await client.post("/embed", json={"inputs": "hello"})
         metrics = (await client.get("/metrics")).text
     assert [probe.status_code for probe in probes] == [503, 503]
     assert probes[0].json() == {"error": "the server is shutting down", "error_type": "Unhealthy"}
-    assert refused.status_code == 200 and drained.status_code == 503
+    assert accepted.status_code == 200 and drained.status_code == 503
     # The one refused request counts; the probes (and start-up's polling) do not.
     assert 'embed_failures_total{reason="Unhealthy"} 1.0' in metrics
 
