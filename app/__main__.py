@@ -1,5 +1,6 @@
 """`python -m app` / `embedding-server`: settings from flags and EMBED_* variables, then one
-server process (app/server.py), or --workers of them under a supervisor (app/workers.py)."""
+process that serves HTTP and runs the model (app/server.py), or engine and front-end
+processes under a supervisor (app/supervisor.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pydantic_settings import CliApp
 from app.logs import configure_logging
 from app.memory import limit_arenas
 from app.settings import Settings
-from app.workers import check_device_in_child, supervise
+from app.supervisor import check_devices_in_child, supervise
 from model import ModelError
 from model.resolve import resolve_model_dir
 
@@ -26,15 +27,15 @@ def load_settings(argv: list[str] | None) -> Settings:
         sys.exit(f"embedding-server: invalid setting: {problems}")
 
 
-def check_device(device: str, workers: int) -> None:
-    """ConfigError unless `device` can work; for `--workers` asked of a child process, so
-    that the supervisor never imports torch (model/__init__.py)."""
-    if workers > 1:
-        check_device_in_child(device)
+def check_devices(settings: Settings) -> None:
+    """ConfigError unless every device can work; asked of a child process where the
+    engines run in their own, so that the supervisor never imports torch."""
+    if settings.split():
+        check_devices_in_child(settings.devices)
         return
     from model.device import resolve_device
 
-    resolve_device(device)
+    resolve_device(settings.devices[0])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,10 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # Fail before binding the port when the model id or the device cannot work.
         resolve_model_dir(settings.model_id, allow_download=settings.allow_download)
-        check_device(settings.device, settings.workers)
+        check_devices(settings)
     except ModelError as exc:
         sys.exit(f"embedding-server: {exc}")
-    if settings.workers > 1:
+    if settings.split():
         sys.exit(supervise(settings))
     from app.server import serve  # with torch: only a server that runs the model needs it
 

@@ -1,4 +1,5 @@
-"""The app factory: settings in, an app out; the lifespan loads the model in the background."""
+"""The app factory: settings and an engine in, an app out; the lifespan waits in the
+background for the engine to be ready (loading the model, where it runs in this process)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from app.balance import ConnectionBalance
-from app.cores import CoreLease
+from app.engine.protocol import Engine
 from app.fastpath import FAST_ROUTES
 from app.handlers import install_handlers
 from app.metrics import Metrics
@@ -21,7 +22,6 @@ from app.responses import JSONResponse
 from app.routes import classify, encode, openai, ops, playground, sparse, tei
 from app.service import EmbeddingService
 from app.settings import Settings
-from model.shared_weights import WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +35,20 @@ UNLIMITED_PATHS = frozenset({"/health", "/live", "/ping", "/metrics"})
 
 def create_app(
     settings: Settings,
+    engine: Engine | None = None,
     on_fatal: Callable[[str], None] | None = None,
     balance: ConnectionBalance | None = None,
-    cores: CoreLease | None = None,
-    weights: WeightStore | None = None,
+    metrics: Metrics | None = None,
 ) -> FastAPI:
-    """`on_fatal` is told when the model cannot load, so the process can exit non-zero;
-    `balance`, `cores` and `weights` are a worker's share of the connections, of the CPU's
-    cores and of the weights' memory (app/balance.py, app/cores.py,
-    model/shared_weights.py), under --workers."""
-    metrics = Metrics()
-    service = EmbeddingService(settings, metrics, cores, weights)
+    """`engine`: where the model runs; by default in this process (which then imports
+    torch). `on_fatal` is told when the engine cannot start, so the process can exit
+    non-zero; `balance` is a front end's share of the connections (app/balance.py)."""
+    metrics = metrics or Metrics()
+    if engine is None:
+        from app.engine.local import LocalEngine
+
+        engine = LocalEngine(settings, metrics)
+    service = EmbeddingService(settings, metrics, engine)
 
     async def start() -> None:
         try:
@@ -94,7 +97,7 @@ def create_app(
     # The schema states the loaded model's bounds (token ids, dimensions, ...) once it has them,
     # and the API key on the routes that need it.
     app.openapi = bounded_openapi(  # type: ignore[method-assign]
-        app, lambda: service.embedder.info if service.embedder else None, settings, protected
+        app, lambda: service.codec.info if service.codec else None, settings, protected
     )
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(

@@ -19,11 +19,11 @@ from types import FrameType
 import uvicorn
 
 from app.balance import ConnectionBalance
-from app.cores import CoreLease
+from app.engine.protocol import Engine
 from app.main import create_app
+from app.metrics import Metrics
 from app.service import EmbeddingService
 from app.settings import Settings
-from model.shared_weights import WeightStore
 
 log = logging.getLogger("app")
 
@@ -101,13 +101,13 @@ class DrainingServer(uvicorn.Server):
 
 def serve(
     settings: Settings,
+    engine: Engine | None = None,
     sock: socket.socket | None = None,
     balance: ConnectionBalance | None = None,
-    cores: CoreLease | None = None,
-    weights: WeightStore | None = None,
+    metrics: Metrics | None = None,
 ) -> int:
-    """Serve until stopped, on `sock` if given (a worker, with its `balance` and, on a CPU,
-    its `cores` and `weights`) or on settings' host and port; return the exit code."""
+    """Serve until stopped, on `sock` if given (a front end, with its `balance`) or on
+    settings' host and port; return the exit code. `engine`: by default in this process."""
     server: DrainingServer | None = None
 
     def on_fatal(reason: str) -> None:
@@ -115,7 +115,7 @@ def serve(
         if server is not None:
             server.fail()
 
-    app = create_app(settings, on_fatal=on_fatal, balance=balance, cores=cores, weights=weights)
+    app = create_app(settings, engine, on_fatal=on_fatal, balance=balance, metrics=metrics)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -1,4 +1,5 @@
-"""The serving layer: readiness and draining, request limits, tokenization, the queue.
+"""The serving layer of a front end: readiness and draining, request limits, tokenization,
+and the engine (app/engine/protocol.py), wherever it runs.
 
 Routes call `encode` and `tokenize` and never touch the model. A request, once accepted,
 completes even while the server drains: nothing after admission checks readiness again.
@@ -17,13 +18,10 @@ from typing import Any
 import numpy as np
 from starlette.types import Receive
 
-from app.batcher import Batcher, ItemResult, Ticket, Wants
-from app.compute import ComputeThread
-from app.cores import CoreLease
+from app.engine.protocol import Engine, ItemResult, Pending, Wants
 from app.errors import (
     ClientDisconnectedError,
     DeadlineError,
-    ServiceError,
     UnavailableError,
     ValidationFailedError,
     WrongTaskError,
@@ -33,9 +31,11 @@ from app.metrics import Metrics
 from app.params import EncodeOptions, RawInput
 from app.settings import Settings
 from app.tokenization import Input, Tokenization, characters
-from model import AttentionSpec, Embedder, Encoded, FloatArray, ModelInfo, Task
-from model.shared_weights import WeightStore
+from model.codec import TextCodec
+from model.info import AttentionSpec, ModelInfo, Task
 from model.similarity import similarity
+from model.tokenizer import Encoded
+from model.vectors import FloatArray
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,6 @@ def watch_disconnect(receive: Receive) -> DisconnectWatch:
             pass
 
     return disconnected
-
-
-def warm_up_batch(embedder: Embedder) -> list[Encoded]:
-    """A batch shaped like real traffic, so that its timing seeds the queue's estimate."""
-    text = "a warm-up sentence of ordinary words and length " * 8
-    return embedder.tokenize([text] * 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,24 +92,14 @@ class Tokenized:
 
 
 class EmbeddingService:
-    """Owns the model and the batcher; routes call it and never touch the model directly."""
+    """Owns the engine client and the tokenizer; routes call it and never touch the model."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        metrics: Metrics,
-        cores: CoreLease | None = None,
-        weights: WeightStore | None = None,
-    ) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, engine: Engine) -> None:
         self.settings = settings
         self.metrics = metrics
-        # Under --workers on a CPU: the cores each forward pass takes (app/cores.py), and
-        # the store the workers hold one copy of the weights in (model/shared_weights.py).
-        self.cores = cores
-        self.weights = weights
+        self.engine = engine
         self.limits = Limits(settings)
-        self.embedder: Embedder | None = None
-        self.batcher: Batcher | None = None
+        self.codec: TextCodec | None = None
         self.warmed_up = False
         self.loaded_at = 0  # Unix seconds, once the model is loaded
         # A stop signal came: /health says 503, so that balancers stop sending work here.
@@ -127,86 +111,26 @@ class EmbeddingService:
         self._idle = asyncio.Event()
         self._idle.set()
         self.tokenization = Tokenization(metrics, settings.auto_truncate)
-        # Every torch call runs on this one thread, made at start (see app/compute.py).
-        self.compute: ComputeThread | None = None
 
     # Lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        """Load the model, warm it up, then start the worker (all off the event loop)."""
-        settings = self.settings
-        threads = settings.worker_threads()
-        log.info("%d torch threads", threads)
-        self.compute = compute = ComputeThread(threads)
+        """Wait for the engine to be ready, and build the tokenizer from its model card."""
         try:
-            embedder = await asyncio.wrap_future(
-                compute.submit(
-                    Embedder.load,
-                    settings.model_id,
-                    task=settings.task,
-                    device=settings.device,
-                    dtype=settings.dtype,
-                    allow_download=settings.allow_download,
-                    max_input_tokens=settings.max_input_tokens,
-                    cuda_graphs=settings.cuda_graphs,
-                    prepack=settings.prepack,
-                )
-            )
-            if embedder.prepacked:
-                log.info("%d linear layers prepacked for oneDNN", embedder.prepacked)
-            if self.weights is not None:
-                await asyncio.wrap_future(compute.submit(embedder.share_weights, self.weights))
-            seconds_per_token = await asyncio.wrap_future(compute.submit(self._warm_up, embedder))
+            card = await self.engine.start()
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
-        self.embedder = embedder
+        self.codec = TextCodec.from_card(card)
         self.loaded_at = int(time.time())
-        info = embedder.info
-        self.metrics.model_info.labels(info.model_id, info.dtype, info.device).set(1)
-        self.batcher = Batcher(
-            embedder,
-            self.metrics,
-            max_batch_tokens=settings.max_batch_tokens,
-            max_batch_inputs=settings.max_batch_inputs,
-            max_attention_values=settings.max_attention_values,
-            max_wait=settings.request_timeout,
-            max_queue_wait=settings.max_queue_wait,
-            batch_wait=settings.batch_wait_ms / 1000,
-            seconds_per_token=seconds_per_token,
-            cores=self.cores if embedder.info.device == "cpu" else None,
-        )
-        self.batcher.start(asyncio.get_running_loop(), compute)
-        # What start-up made (modules, the model, the app: about 330,000 objects with the
-        # default model) lives as long as the process: out of the cyclic collector's sight, a
-        # full collection takes milliseconds instead of 200-400 ms during which the event loop
-        # answers nothing (measured by bench/soak.py: the tail of its 429 latencies).
+        # What start-up made (modules, the model, the app) lives as long as the process:
+        # out of the cyclic collector's sight, a full collection takes milliseconds instead
+        # of the hundreds during which the event loop would answer nothing (bench/soak.py).
         gc.collect()
         gc.freeze()
         self.warmed_up = True
-        log.info(
-            "ready: %s (%s, %s: %s)", info.model_id, info.device, info.dtype, info.dtype_reason
-        )
-        if info.device == "cpu" and (oversubscription := settings.cpu_oversubscription()):
-            log.warning(oversubscription)
-
-    @staticmethod
-    def _warm_up(embedder: Embedder) -> float:
-        """Run a batch eagerly (paying one-time costs), capture the CUDA graphs (on a GPU),
-        then time the batch again; return its seconds per token."""
-        batch = warm_up_batch(embedder)
-        embedder.forward(batch, token_embeddings=True)
-        started = time.perf_counter()
-        if graphs := embedder.capture_graphs():
-            log.info("%d CUDA graphs captured in %.1f s", graphs, time.perf_counter() - started)
-        started = time.perf_counter()
-        embedder.forward(batch)
-        return (time.perf_counter() - started) / sum(len(e.ids) for e in batch)
 
     async def stop(self) -> None:
-        if self.batcher is not None:
-            await asyncio.to_thread(self.batcher.stop)
-        if self.compute is not None:
-            self.compute.close()
+        await self.engine.stop()
         self.tokenization.shutdown()
 
     def begin_stop(self) -> None:
@@ -233,7 +157,7 @@ class EmbeddingService:
 
     @property
     def worker_alive(self) -> bool:
-        return self.batcher is not None and self.batcher.alive
+        return self.warmed_up and self.engine.alive
 
     @property
     def ready(self) -> bool:
@@ -257,30 +181,30 @@ class EmbeddingService:
             return f"the model failed to load: {self.load_error}"
         if not self.warmed_up:
             return "the model is loading"
-        return "the batch worker has stopped"
+        return "the engine has stopped"
 
-    def check_ready(self) -> Embedder:
-        if not self.accepting or self.embedder is None:
+    def check_ready(self) -> TextCodec:
+        if not self.accepting or self.codec is None:
             raise UnavailableError(self.not_ready_reason())
-        return self.embedder
+        return self.codec
 
     @property
     def info(self) -> ModelInfo:
         """The loaded model's description (also while draining)."""
-        if self.embedder is None:
+        if self.codec is None:
             raise UnavailableError(self.not_ready_reason())
-        return self.embedder.info
+        return self.codec.info
 
     # Requests --------------------------------------------------------------------------
     async def tokenize(
         self, inputs: Sequence[RawInput], options: EncodeOptions, *, add_special_tokens: bool = True
     ) -> Tokenized:
-        embedder = self.check_ready()
+        codec = self.check_ready()
         self.limits.check_inputs(inputs)
         encoded, _ = await self.tokenization.run(
-            embedder, inputs, options, add_special_tokens=add_special_tokens
+            codec, inputs, options, add_special_tokens=add_special_tokens
         )
-        prompt = embedder.prompt(options.prompt_name)  # known good: tokenizing checked it
+        prompt = codec.prompt(options.prompt_name)  # known good: tokenizing checked it
         texts = [prompt + item if isinstance(item, str) else item for item in inputs]
         return Tokenized(texts, encoded)
 
@@ -312,21 +236,20 @@ class EmbeddingService:
         outputs)."""
         started = time.perf_counter()
         deadline = started + self.settings.request_timeout
-        embedder = self._enter()
+        codec = self._enter()
         try:
-            info = embedder.info
+            info = codec.info
             if task is not None:
                 _require_task(info, task)
             self.limits.check_inputs(inputs)
             self.limits.check_dimensions(options.dimensions, info)
             attention = self.limits.resolve_attention(options.attention, info)
-            assert self.batcher is not None, "check_ready() guarantees a batcher"
             # A full queue refuses before tokenizing: under overload a 429 then costs next to
             # nothing, and comes fast.
-            self.batcher.check_room(deadline - time.perf_counter())
+            self.engine.check_room(0, deadline - time.perf_counter())
             try:
                 encoded, tokenization = await self.tokenization.run(
-                    embedder, inputs, options, deadline=deadline
+                    codec, inputs, options, deadline=deadline
                 )
             except TimeoutError as exc:  # still waiting for the tokenizer's threads
                 raise self._deadline_error() from exc
@@ -365,8 +288,8 @@ class EmbeddingService:
         return similarity(vectors[0], vectors[1:], info.similarity_fn_name), result
 
     def decode(self, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool) -> list[str]:
-        embedder = self.check_ready()
-        vocabulary = embedder.info.vocab_size
+        codec = self.check_ready()
+        vocabulary = codec.info.vocab_size
         for row, sequence in enumerate(ids):
             for position, token_id in enumerate(sequence):
                 if token_id >= vocabulary:
@@ -375,14 +298,14 @@ class EmbeddingService:
                         f"vocabulary [0, {vocabulary})",
                         param="ids",
                     )
-        return embedder.decode(ids, skip_special_tokens=skip_special_tokens)
+        return codec.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def _enter(self) -> Embedder:
+    def _enter(self) -> TextCodec:
         """Count an accepted request, so that a drain waits for it."""
-        embedder = self.check_ready()
+        codec = self.check_ready()
         self.inflight += 1
         self._idle.clear()
-        return embedder
+        return codec
 
     def _leave(self) -> None:
         self.inflight -= 1
@@ -403,37 +326,30 @@ class EmbeddingService:
     ) -> tuple[list[ItemResult], float, float]:
         """The request's results, its longest queue wait and its longest forward pass.
 
-        The ticket's future is the one thing awaited: the timeout and a disconnect fail it
-        through callbacks (cheaper than asyncio.wait on several), and the worker skips a
-        future that is already done."""
-        assert self.batcher is not None, "check_ready() guarantees a batcher"
+        The pending future is the one thing awaited: the timeout and a disconnect abort it
+        through callbacks (cheaper than asyncio.wait on several), which also drops its
+        inputs from the engine's queue."""
         loop = asyncio.get_running_loop()
-        ticket = Ticket(encoded, wants, loop.create_future())
         left = deadline - time.perf_counter()
         if left <= 0:  # the tokenizer took it all: queuing would run work nobody waits for
             raise self._deadline_error()
         # Admitted only if the work ahead fits in the time this request has left (it may have
         # spent some waiting for its body or the tokenizer): else it would be a 504.
-        self.batcher.submit(ticket, left)
-        timer = loop.call_at(
-            loop.time() + max(0.0, deadline - time.perf_counter()),
-            _fail,
-            ticket,
-            self._deadline_error(),
-        )
+        pending = self.engine.submit(encoded, wants, deadline)
+        timer = loop.call_at(loop.time() + left, pending.abort, self._deadline_error())
         watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
         if watcher is not None:
-            watcher.add_done_callback(lambda done: _on_disconnect(done, ticket))
+            watcher.add_done_callback(lambda done: _on_disconnect(done, pending))
         try:
-            results = await ticket.future
+            outcome = await pending.future
         except asyncio.CancelledError:  # with its task (uvicorn's at shutdown): nobody waits
-            ticket.abandoned = True
+            pending.abort(ClientDisconnectedError("the request was cancelled"))
             raise
         finally:
             timer.cancel()
             if watcher is not None:
                 watcher.cancel()
-        return results, ticket.queue_seconds, ticket.inference_seconds
+        return outcome.items, outcome.queue_seconds, outcome.inference_seconds
 
 
 def _require_task(info: ModelInfo, task: Task) -> None:
@@ -444,13 +360,6 @@ def _require_task(info: ModelInfo, task: Task) -> None:
         )
 
 
-def _on_disconnect(watcher: asyncio.Future[None], ticket: Ticket) -> None:
+def _on_disconnect(watcher: asyncio.Future[None], pending: Pending) -> None:
     if not watcher.cancelled():  # cancelled: the request ended first
-        _fail(ticket, ClientDisconnectedError("the client disconnected"))
-
-
-def _fail(ticket: Ticket, error: ServiceError) -> None:
-    """Nobody will wait for this ticket's results: the worker drops its queued inputs."""
-    if not ticket.future.done():
-        ticket.abandoned = True
-        ticket.future.set_exception(error)
+        pending.abort(ClientDisconnectedError("the client disconnected"))

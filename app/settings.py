@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
@@ -37,8 +38,12 @@ class Settings(BaseSettings):
     allow_download: bool = Field(
         False, description="Fetch unknown model ids with huggingface_hub (needs a network)."
     )
-    device: str = Field(
-        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N."
+    devices: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["auto"],
+        description=(
+            "One engine per listed device: auto, cpu, cuda or cuda:N, comma-separated "
+            "(cuda:0,cuda:1; cpu,cpu runs two engines sharing the CPU's cores)."
+        ),
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
@@ -49,14 +54,21 @@ class Settings(BaseSettings):
     )
     host: str = Field("0.0.0.0", description="Address to listen on.")
     port: int = Field(8080, ge=1, le=65535, description="Port to listen on.")
-    workers: int = Field(
-        1,
+    placement: Literal["auto", "in-process", "split"] = Field(
+        "auto",
+        description=(
+            "in-process: one process serves HTTP and runs the model; split: engine processes "
+            "(one per device) behind front-end processes that never import torch. auto: "
+            "split on a GPU or with several engines or front ends, else in-process."
+        ),
+    )
+    frontends: int | None = Field(
+        None,
         ge=1,
         le=64,
         description=(
-            "Server processes on the one port, each with its own event loop (on a CPU they "
-            "hold the weights once): more throughput where one event loop is the limit, at "
-            "the cost of memory."
+            "HTTP front-end processes on the one port (split placement); default: half the "
+            "CPUs (at most 8) on a GPU, else 1."
         ),
     )
     threads: int | None = Field(
@@ -64,8 +76,8 @@ class Settings(BaseSettings):
         ge=1,
         le=256,
         description=(
-            "Torch intra-op threads per worker; default: the CPUs the process may use "
-            "(cgroup quota), divided among the workers."
+            "Torch intra-op threads per engine; default: the CPUs the process may use "
+            "(cgroup quota), divided among the engines."
         ),
     )
     max_batch_tokens: int = Field(
@@ -107,7 +119,7 @@ class Settings(BaseSettings):
         description=(
             "On a CPU, lay the encoder's linear weights out once for oneDNN at start-up "
             "(one sentence 1.4-1.9x as fast), each worker its own copy; off: torch's own "
-            "matmul on the checkpoint layout, and --workers share every weight."
+            "matmul on the checkpoint layout, and engines on one CPU share every weight."
         ),
     )
     auto_truncate: bool = Field(
@@ -180,25 +192,57 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
     access_log: bool = Field(False, description="Log every request (costs throughput).")
 
-    def worker_threads(self) -> int:
-        """Torch threads per worker: `threads`, or the CPUs this process may use over the
-        workers (at least one)."""
-        return self.threads or max(1, available_cpus() // self.workers)
+    def engine_threads(self) -> int:
+        """Torch threads per engine: `threads`, or the CPUs this process may use over the
+        engines (at least one)."""
+        return self.threads or max(1, available_cpus() // len(self.devices))
+
+    def on_gpu(self) -> bool:
+        return any(device.startswith("cuda") for device in self.devices)
+
+    def split(self) -> bool:
+        """Whether engines run in processes of their own, behind front-end processes."""
+        if self.placement != "auto":
+            return self.placement == "split"
+        return self.on_gpu() or len(self.devices) > 1 or (self.frontends or 1) > 1
+
+    def frontend_count(self) -> int:
+        if self.frontends is not None:
+            return self.frontends
+        return min(8, max(1, available_cpus() // 2)) if self.on_gpu() else 1
 
     def cpu_oversubscription(self) -> str | None:
         """Why the torch threads asked for would fight over the CPUs, if they would. Each
         pass's threads meet at a barrier after every parallel region, so one descheduled
-        thread holds up the rest: two workers of 2 threads on 2 CPUs served 32 x 1 short
-        sentences at 165 and 63 texts/s against 756 and 741 for two of 1 thread (bfloat16,
-        two alternating rounds)."""
-        cpus, threads = available_cpus(), self.worker_threads()
-        if threads * self.workers <= cpus:
+        thread holds up the rest (docs: benchmarks)."""
+        cpus, threads = available_cpus(), self.engine_threads()
+        engines = len(self.devices)
+        if threads * engines <= cpus:
             return None
         return (
-            f"{self.workers} worker(s) x {threads} torch threads is more than the {cpus} "
+            f"{engines} engine(s) x {threads} torch threads is more than the {cpus} "
             f"CPUs this process may use: forward passes will stall each other; leave "
-            f"`threads` unset or keep workers x threads <= {cpus}"
+            f"`threads` unset or keep engines x threads <= {cpus}"
         )
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _split_devices(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [device.strip() for device in value.split(",") if device.strip()]
+        return value
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("name at least one device")
+        for device in value:
+            if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+                raise ValueError(f"{device!r} is not a device (auto, cpu, cuda or cuda:N)")
+        if "auto" in value and len(value) > 1:
+            raise ValueError("auto stands alone: list the devices instead")
+        return value
 
     @field_validator("cors_origins", mode="before")
     @classmethod

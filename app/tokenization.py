@@ -15,7 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from app.errors import ValidationFailedError
 from app.metrics import Metrics
 from app.params import EncodeOptions, RawInput, TextPair
-from model import Embedder, Encoded, InputError, PromptError, TokenIdError
+from model.codec import TextCodec
+from model.errors import InputError, PromptError, TokenIdError
+from model.tokenizer import Encoded
 
 # Threads that tokenize large requests, beside the event loop and the batch worker.
 TOKENIZER_THREADS = 2
@@ -56,7 +58,7 @@ class Tokenization:
 
     async def run(
         self,
-        embedder: Embedder,
+        codec: TextCodec,
         inputs: Sequence[Input],
         options: EncodeOptions,
         *,
@@ -69,7 +71,7 @@ class Tokenization:
         truncate = self.auto_truncate if options.truncate is None else options.truncate
 
         def encode_singles(items: Sequence[RawInput]) -> list[Encoded]:
-            return embedder.tokenize(
+            return codec.tokenize(
                 items,
                 truncate=truncate,
                 direction=options.direction,
@@ -90,7 +92,7 @@ class Tokenization:
                 encoded.update(zip(singles, done, strict=True))
             done = in_request_order(
                 list(pairs),
-                lambda: embedder.tokenize_pairs(
+                lambda: codec.tokenize_pairs(
                     list(pairs.values()), truncate=truncate, direction=options.direction
                 ),
             )

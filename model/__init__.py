@@ -24,22 +24,27 @@ from model.resolve import DEFAULT_MODEL_ID
 
 if TYPE_CHECKING:
     from model.architectures import EncoderConfig
-    from model.embedder import AttentionSpec, BatchOutput, Embedder, ModelInfo
-    from model.heads import Task
-    from model.pipeline import FloatArray, PoolingMode, finish
+    from model.codec import ModelCard, TextCodec
+    from model.embedder import BatchOutput, Embedder
+    from model.info import AttentionSpec, ModelInfo, Task
+    from model.pipeline import PoolingMode
     from model.tokenizer import Direction, Encoded
+    from model.vectors import FloatArray, finish
 
-# Each name imported on first use, from its module.
+# Each name imported on first use, from its module. Those of model.info, model.vectors,
+# model.codec and model.tokenizer need no torch: a front end uses them.
 _LAZY = {
     "EncoderConfig": "model.architectures",
-    "AttentionSpec": "model.embedder",
+    "AttentionSpec": "model.info",
     "BatchOutput": "model.embedder",
     "Embedder": "model.embedder",
-    "ModelInfo": "model.embedder",
-    "Task": "model.heads",
-    "FloatArray": "model.pipeline",
+    "ModelCard": "model.codec",
+    "ModelInfo": "model.info",
+    "Task": "model.info",
+    "TextCodec": "model.codec",
+    "FloatArray": "model.vectors",
     "PoolingMode": "model.pipeline",
-    "finish": "model.pipeline",
+    "finish": "model.vectors",
     "Direction": "model.tokenizer",
     "Encoded": "model.tokenizer",
 }
@@ -72,12 +77,14 @@ __all__ = [
     "FloatArray",
     "InputError",
     "InputTooLongError",
+    "ModelCard",
     "ModelError",
     "ModelInfo",
     "ModelNotFoundError",
     "PoolingMode",
     "PromptError",
     "Task",
+    "TextCodec",
     "TokenIdError",
     "finish",
 ]

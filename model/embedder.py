@@ -12,29 +12,22 @@ from torch import Tensor
 
 from model.architectures import Encoder
 from model.attention import MapRequest
+from model.codec import TextCodec
 from model.cuda_graphs import GraphedForward, IntGrid, padded_batch
 from model.device import DtypeChoice, resolve_device, resolve_dtype
-from model.errors import PromptError
 from model.heads import Head
-from model.loading import ModelInfo, load_model
-from model.pipeline import EmbeddingPipeline, finish
+from model.info import AttentionSpec, ModelInfo
+from model.loading import load_model
+from model.pipeline import EmbeddingPipeline
 from model.prepacked import can_prepack, prepack_linears
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
 from model.shared_weights import WeightStore
-from model.tokenizer import Direction, Encoded, TextTokenizer, TokenizerInput
+from model.tokenizer import Encoded, TextTokenizer, TokenizerInput
+from model.vectors import finish
 
 __all__ = ["AttentionSpec", "BatchOutput", "Embedder", "ModelInfo", "ModelInput"]
 
 ModelInput = Encoded | Sequence[int]
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionSpec:
-    """The attention maps an input asks for, resolved against the model (0-based indices)."""
-
-    layers: tuple[int, ...]
-    heads: tuple[int, ...]
-    mean: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +61,12 @@ class Embedder:
         self.head = head
         self.tokenizer = tokenizer
         self.info = info
+        # Prompts, tokenizing and decoding: what a front end does without the network.
+        self.codec = TextCodec(info, tokenizer)
+        self.prompt = self.codec.prompt
+        self.tokenize = self.codec.tokenize
+        self.tokenize_pairs = self.codec.tokenize_pairs
+        self.decode = self.codec.decode
         first = next(network.parameters())
         self.device = first.device
         # Embeddings on a GPU run as captured graphs where the batch is small enough
@@ -141,53 +140,6 @@ class Embedder:
             cuda_graphs=cuda_graphs,
             prepack=prepack,
         )
-
-    def prompt(self, name: str | None) -> str:
-        """The text a prompt name stands for: None is the model's default prompt (if any),
-        "" is no prompt."""
-        if name is None:
-            name = self.info.default_prompt_name
-        if not name:
-            return ""
-        if name not in self.info.prompts:
-            known = ", ".join(sorted(self.info.prompts)) or "none"
-            raise PromptError(f"unknown prompt_name {name!r} (this model's prompts: {known})")
-        return self.info.prompts[name]
-
-    def tokenize(
-        self,
-        inputs: Sequence[TokenizerInput],
-        *,
-        truncate: bool = True,
-        direction: Direction | None = None,
-        prompt_name: str | None = None,
-        add_special_tokens: bool = True,
-    ) -> list[Encoded]:
-        return self.tokenizer.encode(
-            inputs,
-            truncate=truncate,
-            direction=direction,
-            add_special_tokens=add_special_tokens,
-            prompt=self.prompt(prompt_name),
-        )
-
-    def tokenize_pairs(
-        self,
-        pairs: Sequence[tuple[str, str]],
-        *,
-        truncate: bool = True,
-        direction: Direction | None = None,
-    ) -> list[Encoded]:
-        """Pairs of texts (a query and a text, for a cross-encoder) by the tokenizer's pair
-        template, cut longest-first as transformers does."""
-        return self.tokenizer.encode_pairs(pairs, truncate=truncate, direction=direction)
-
-    def decode(self, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool) -> list[str]:
-        """Token ids back to text, a list per sequence; the ids must be in the vocabulary."""
-        return [
-            self.tokenizer.decode(sequence, skip_special_tokens=skip_special_tokens)
-            for sequence in ids
-        ]
 
     def forward(
         self,

@@ -28,7 +28,8 @@ from typing import Any
 
 from model.checkpoint import read_json, read_json_object
 from model.errors import ConfigError
-from model.heads import Splade, Task
+from model.heads import Splade
+from model.info import Task
 from model.pipeline import ACTIVATIONS, DenseSpec, Pooling, PoolingMode
 from model.similarity import check_similarity_fn
 from model.tokenizer import Direction

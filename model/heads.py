@@ -15,7 +15,6 @@ Keys a task model stores under its encoder's prefix (BERT's `bert.pooler.*`) are
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -28,15 +27,7 @@ from model.architectures import BertConfig, EncoderConfig
 from model.architectures.base import ConfigReader
 from model.architectures.bert import Activation, activate
 from model.errors import ConfigError
-
-
-class Task(enum.StrEnum):
-    """What the loaded model computes: vectors, label logits, or sparse vocabulary weights."""
-
-    EMBED = "embed"
-    CLASSIFY = "classify"
-    SPARSE = "sparse"
-
+from model.info import Task
 
 SpladePoolingStrategy = Literal["max", "sum"]
 SpladeActivation = Literal["relu", "log1p_relu"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -23,43 +23,13 @@ from model.checkpoint import load_weights, read_json_object, weight_file, weight
 from model.device import DtypeChoice
 from model.errors import CheckpointError, ConfigError
 from model.folder import DenseModule, FolderSpec, ScoreActivation, read_folder
-from model.heads import Head, MaskedLMHead, Task, build_head
+from model.heads import Head, MaskedLMHead, build_head
+from model.info import ModelInfo, Task
 from model.pipeline import Dense, EmbeddingPipeline, Normalize
 from model.tokenizer import TextTokenizer
 from model.tokenizer_class import check_tokenizer_class, checks_tokenizer_json, uses_token_types
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the service reports about the loaded model."""
-
-    model_id: str
-    model_type: str
-    # Of the outputs: the pipeline's vectors (after any Dense layer, cut to the folder's
-    # truncate_dim; a request may ask for fewer); for classify the labels; for sparse the
-    # vocabulary.
-    dimensions: int
-    hidden_size: int  # of the per-token vectors
-    max_input_tokens: int
-    pooling: tuple[str, ...]
-    include_prompt: bool
-    dense: tuple[str, ...]  # "in -> out, Activation" per Dense layer
-    normalize: bool
-    dtype: str
-    dtype_reason: str
-    device: str
-    num_layers: int
-    num_heads: int
-    vocab_size: int
-    prompts: Mapping[str, str] = field(default_factory=dict)
-    default_prompt_name: str | None = None
-    do_lower_case: bool = False
-    similarity_fn_name: str = "cosine"
-    task: Task = Task.EMBED
-    # Classify: the label of each logit, in index order.
-    labels: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

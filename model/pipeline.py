@@ -4,7 +4,8 @@ This is one `EmbeddingPipeline`, described by the model folder (model/folder.py 
 sentence-transformers' Pooling (every mode, several at once concatenated in its order,
 prompt tokens left out when `include_prompt` is false), its Dense layers and Normalize
 modules in order, then the folder's `truncate_dim` cut. What a request adds comes last:
-`finish` keeps the first `dimensions` features (Matryoshka), then L2-normalises if asked.
+`finish` (model/vectors.py) keeps the first `dimensions` features (Matryoshka), then
+L2-normalises if asked.
 
 Everything here runs in float32, whatever the encoder's dtype: sums over hundreds of tokens
 in half precision lose digits, and a float16 `clamp(min=1e-9)` underflows to zero.
@@ -16,14 +17,9 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-# Vectors as the serving layer hands them on: float32 numpy arrays.
-FloatArray = npt.NDArray[np.float32]
 
 
 class PoolingMode(enum.StrEnum):
@@ -175,15 +171,3 @@ class EmbeddingPipeline(nn.Module):
             if isinstance(step, Dense):
                 size = step.spec.out_features
         return min(size, self.truncate_dim or size)
-
-
-def finish(vectors: FloatArray, normalize: bool, dimensions: int | None = None) -> FloatArray:
-    """Matryoshka: keep the first `dimensions` features, then L2-normalise if asked.
-
-    (N, D) float32 in, a new C-contiguous (N, D') float32 array out.
-    """
-    cut = np.array(vectors[..., :dimensions] if dimensions else vectors, dtype=np.float32)
-    if normalize:
-        norms = np.linalg.norm(cut, axis=-1, keepdims=True)
-        cut /= np.maximum(norms, 1e-12)
-    return cut

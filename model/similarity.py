@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from model.errors import ConfigError
-from model.pipeline import FloatArray
+from model.vectors import FloatArray
 
 SIMILARITY_FUNCTIONS = ("cosine", "dot", "euclidean", "manhattan")
 

@@ -48,6 +48,29 @@ class Encoded:
     type_ids: list[int] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class TokenizerSpec:
+    """What a `TextTokenizer` is built from: plain values, so that it crosses to a front-end
+    process, which builds the same tokenizer without reading the folder again."""
+
+    tokenizer_json: str
+    max_length: int
+    vocab_size: int
+    lowercase: bool = False
+    truncation_side: Direction | None = None
+    token_types: bool = True
+
+    def build(self) -> TextTokenizer:
+        return TextTokenizer(
+            self.tokenizer_json,
+            self.max_length,
+            self.vocab_size,
+            lowercase=self.lowercase,
+            truncation_side=self.truncation_side,
+            token_types=self.token_types,
+        )
+
+
 class TextTokenizer:
     """Thread-safe: each truncation setting has its own immutable `Tokenizer`."""
 
@@ -71,6 +94,9 @@ class TextTokenizer:
         saved = orjson.loads(tokenizer_json).get("truncation") or {}
         saved_side: Direction = "left" if saved.get("direction") == "Left" else "right"
         self.truncation_side = truncation_side or saved_side
+        self.spec = TokenizerSpec(
+            tokenizer_json, max_length, vocab_size, lowercase, self.truncation_side, token_types
+        )
         self._lowercase = lowercase
         self._untruncated = self._configured(tokenizer_json, None)
         self._truncating: dict[Direction, Tokenizer] = {

@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from app.batcher import ItemResult
 from app.dependencies import DisconnectDep, ServiceDep
+from app.engine.protocol import ItemResult
 from app.responses import Encoding, array_payload, render, timing_headers, usage_payload
 from app.routes.errors import error_responses
 from app.schemas import EncodeRequest, EncodeResponse

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from app.engine.local import LocalEngine
 from app.main import create_app
 from app.service import EmbeddingService
 from app.settings import Settings
@@ -25,7 +26,7 @@ def anyio_backend() -> str:
 def make_settings(checkpoint: Path, **overrides: Any) -> Settings:
     values: dict[str, Any] = {
         "model_id": str(checkpoint),
-        "device": "cpu",
+        "devices": ["cpu"],
         "dtype": "float32",
         "threads": 1,
     }
@@ -53,12 +54,20 @@ def service_of(app: FastAPI) -> EmbeddingService:
     return service
 
 
+def local_engine(target: FastAPI | EmbeddingService) -> LocalEngine:
+    """The engine of an app (or its service) that runs the model in this process."""
+    service = target if isinstance(target, EmbeddingService) else service_of(target)
+    assert isinstance(service.engine, LocalEngine)
+    return service.engine
+
+
 class GatedForward:
     """Wraps the model's forward pass: counts calls, can hold them, can fail some."""
 
     def __init__(self, service: EmbeddingService) -> None:
-        assert service.embedder is not None
-        self.original = service.embedder.forward
+        embedder = local_engine(service).embedder
+        assert embedder is not None
+        self.original = embedder.forward
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
@@ -67,7 +76,7 @@ class GatedForward:
         self.error: Callable[[], BaseException] = lambda: RuntimeError(
             "injected failure in the forward pass"
         )
-        service.embedder.forward = self  # type: ignore[method-assign,assignment]
+        embedder.forward = self  # type: ignore[method-assign,assignment]
 
     def __call__(self, batch: Sequence[Encoded], **kwargs: Any) -> BatchOutput:
         ids = [list(item.ids) for item in batch]

@@ -11,14 +11,23 @@ import numpy as np
 import pytest
 import torch
 
-from app.batcher import Batcher, Ticket, Wants, WorkItem
-from app.compute import ComputeThread
 from app.cores import CoreLease, CorePool
+from app.engine.batcher import Batcher, Ticket, WorkItem
+from app.engine.compute import ComputeThread
+from app.engine.local import deliver_on
+from app.engine.protocol import Wants
 from app.errors import ClientDisconnectedError, OverloadedError
 from app.metrics import Metrics
 from app.params import EncodeOptions
 from model import AttentionSpec, Embedder, Encoded
-from tests.app.conftest import GatedForward, make_settings, running_app, service_of, wait_until
+from tests.app.conftest import (
+    GatedForward,
+    local_engine,
+    make_settings,
+    running_app,
+    service_of,
+    wait_until,
+)
 from tests.helpers import TINY_VOCAB
 
 pytestmark = pytest.mark.anyio
@@ -31,7 +40,7 @@ async def test_concurrent_requests_are_batched_and_equal_to_alone(tiny_checkpoin
         gate = GatedForward(service_of(app))
         gate.gate.clear()  # hold the worker so that the concurrent requests queue up together
         tasks = [asyncio.create_task(client.post("/embed", json={"inputs": s})) for s in SENTENCES]
-        batcher = service_of(app).batcher
+        batcher = local_engine(app).batcher
         assert batcher is not None
         # Every input is either queued or in the batch the held worker took.
         await wait_until(lambda: batcher.depth + sum(map(len, gate.batches)) == len(SENTENCES))
@@ -64,7 +73,7 @@ async def test_queue_bounded_in_work_answers_429_and_loses_nothing(tiny_checkpoi
     0.01 s per token, so 100 tokens; each "fox i" request holds 4 of them."""
     settings = make_settings(tiny_checkpoint, request_timeout=1.0, max_batch_inputs=1)
     async with running_app(settings) as (app, client):
-        batcher = service_of(app).batcher
+        batcher = local_engine(app).batcher
         assert batcher is not None
         gate = GatedForward(service_of(app))
         first = await gate.hold(client)  # the worker holds "hello" (3 tokens)
@@ -150,7 +159,7 @@ async def test_a_cancelled_request_is_dropped_before_it_runs(tiny_checkpoint: Pa
         gate = GatedForward(service)
         held = await gate.hold(client)
         queued = asyncio.create_task(service.encode(["fox"], EncodeOptions()))
-        batcher = service.batcher
+        batcher = local_engine(service).batcher
         assert batcher is not None
         await wait_until(lambda: batcher.depth == 1)
         queued.cancel()
@@ -169,7 +178,7 @@ def make_ticket(*lengths: int, wants: Wants | None = None) -> Ticket:
     loop = asyncio.new_event_loop()
     try:
         encoded = [Encoded(list(range(n)), [], None, [], False) for n in lengths]
-        return Ticket(encoded, wants or Wants(), loop.create_future())
+        return Ticket(encoded, wants or Wants(), time.perf_counter() + 30, loop.create_future())
     finally:
         loop.close()
 
@@ -190,6 +199,7 @@ def make_batcher(embedder: Embedder, **overrides: float) -> Batcher:
     return Batcher(
         embedder,
         Metrics(),
+        lambda deliveries: None,
         max_batch_tokens=int(values["max_batch_tokens"]),
         max_batch_inputs=int(values["max_batch_inputs"]),
         max_attention_values=int(values["max_attention_values"]),
@@ -243,11 +253,19 @@ async def test_a_lone_input_does_not_wait_out_the_batch_wait(tiny_embedder: Embe
     batcher = make_batcher(tiny_embedder, max_batch_inputs=8, batch_wait=30.0)
     loop = asyncio.get_running_loop()
     compute = ComputeThread()
-    batcher.start(loop, compute)
+    batcher.deliver = deliver_on(loop)
+    batcher.start(compute)
     try:
-        ticket = Ticket(tiny_embedder.tokenize(["hello"]), Wants(), loop.create_future())
+        ticket = Ticket(
+            tiny_embedder.tokenize(["hello"]),
+            Wants(),
+            time.perf_counter() + 30,
+            loop.create_future(),
+        )
         batcher.submit(ticket)
-        [result] = await asyncio.wait_for(ticket.future, timeout=10)  # far below the 30 s cap
+        [result] = (
+            await asyncio.wait_for(ticket.reply_to, timeout=10)
+        ).items  # far below the 30 s cap
         assert result.embedding is not None
         assert result.embedding.shape == (tiny_embedder.info.dimensions,)
     finally:
@@ -272,7 +290,7 @@ def test_input_abandoned_during_the_batch_wait_does_not_run(
 ) -> None:
     import threading
 
-    from app import batcher as batcher_module
+    from app.engine import batcher as batcher_module
 
     monkeypatch.setattr(batcher_module, "QUIET_GAP", 30.0)  # the wait ends only when full
     batcher = make_batcher(tiny_embedder, max_batch_inputs=2, batch_wait=30.0)
@@ -296,7 +314,7 @@ def test_the_batch_wait_follows_how_many_clients_the_last_batch_served(
     the worker waits for the others to come back."""
     import threading
 
-    from app import batcher as batcher_module
+    from app.engine import batcher as batcher_module
 
     monkeypatch.setattr(batcher_module, "QUIET_GAP", 30.0)  # a wait would end only when full
     batcher = make_batcher(tiny_embedder, max_batch_inputs=2, batch_wait=30.0)
@@ -324,7 +342,7 @@ def test_the_batch_wait_ends_once_the_last_batch_s_clients_are_back(
     tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The batch is not full, but every client it expects has come back: no quiet gap more."""
-    from app import batcher as batcher_module
+    from app.engine import batcher as batcher_module
 
     monkeypatch.setattr(batcher_module, "QUIET_GAP", 30.0)  # else the wait ends in 2 ms
     batcher = make_batcher(tiny_embedder, max_batch_inputs=8, batch_wait=30.0)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from app.compute import ComputeThread
+from app.engine.compute import ComputeThread
 from model import Embedder
 from tests.app.conftest import make_settings, running_app
 

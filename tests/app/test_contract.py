@@ -30,7 +30,7 @@ from app.main import create_app
 from app.schemas import BOUND
 from model import InputError
 from model.heads import Splade
-from tests.app.conftest import make_settings, running_app, service_of, wait_until
+from tests.app.conftest import local_engine, make_settings, running_app, service_of, wait_until
 from tests.helpers import TINY_CONFIG, TINY_VOCAB, make_random_checkpoint
 from tests.task_checkpoints import save_task_model, write_splade_folder
 
@@ -132,7 +132,7 @@ def run_schemathesis(app: FastAPI, *, headers: dict[str, str] | None = None) -> 
         }
     )
     schema = schemathesis.openapi.from_asgi("/openapi.json", app, config=config)
-    embedder = service_of(app).embedder
+    embedder = local_engine(app).embedder
     assert embedder is not None
     limit = embedder.info.max_input_tokens
 

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import gc
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,21 @@ import numpy as np
 import pytest
 import torch
 
-from app.batcher import Ticket, Wants
-from app.compute import ComputeThread
+from app.engine.batcher import Ticket
+from app.engine.compute import ComputeThread
+from app.engine.local import deliver_on
+from app.engine.protocol import Wants
 from app.errors import BackendError, ClientDisconnectedError
 from app.params import EncodeOptions
 from model import Embedder
-from tests.app.conftest import GatedForward, make_settings, running_app, service_of, wait_until
+from tests.app.conftest import (
+    GatedForward,
+    local_engine,
+    make_settings,
+    running_app,
+    service_of,
+    wait_until,
+)
 from tests.app.test_batching import make_batcher
 from tests.helpers import TINY_VOCAB
 
@@ -85,7 +95,7 @@ async def test_a_dead_worker_fails_liveness_and_what_waits(
 ) -> None:
     async with running_app(make_settings(tiny_checkpoint, max_batch_inputs=1)) as (app, client):
         service = service_of(app)
-        batcher = service.batcher
+        batcher = local_engine(service).batcher
         assert batcher is not None
         gate = GatedForward(service)
         running = await gate.hold(client)
@@ -98,7 +108,7 @@ async def test_a_dead_worker_fails_liveness_and_what_waits(
 
         # The test hook: the worker's next look at the queue raises, outside any forward pass.
         monkeypatch.setattr(batcher, "_next_batch", broken)
-        with caplog.at_level(logging.CRITICAL, logger="app.batcher"):
+        with caplog.at_level(logging.CRITICAL, logger="app.engine.batcher"):
             gate.gate.set()
             finished, failed = await running, await queued
             await wait_until(lambda: not batcher.alive)
@@ -117,7 +127,7 @@ async def test_a_dead_worker_fails_liveness_and_what_waits(
 async def test_out_of_memory_splits_the_batch_down_to_the_culprit(tiny_checkpoint: Path) -> None:
     async with running_app(make_settings(tiny_checkpoint)) as (app, client):
         gate = GatedForward(service_of(app))
-        batcher = service_of(app).batcher
+        batcher = local_engine(app).batcher
         assert batcher is not None
         gate.error = lambda: torch.OutOfMemoryError("injected: CUDA out of memory")
         # Any batch holding "fox" runs out of memory, as a too-long input would.
@@ -150,7 +160,7 @@ async def test_a_failed_batch_fails_only_the_request_the_model_fails_on(
     the one that fails alone gets the error (one bad request never fails another)."""
     async with running_app(make_settings(tiny_checkpoint)) as (app, client):
         gate = GatedForward(service_of(app))
-        batcher = service_of(app).batcher
+        batcher = local_engine(app).batcher
         assert batcher is not None
         gate.fail_when = lambda batch: any(FOX in ids for ids in batch)
         held = await gate.hold(client, "dog")
@@ -184,18 +194,21 @@ async def test_a_failed_batch_gives_each_request_its_own_error(
     monkeypatch.setattr(batcher, "_forward", broken)
     loop = asyncio.get_running_loop()
     tickets = [
-        Ticket(tiny_embedder.tokenize([text]), Wants(), loop.create_future())
+        Ticket(
+            tiny_embedder.tokenize([text]), Wants(), time.perf_counter() + 30, loop.create_future()
+        )
         for text in ("hello", "world", "fox")
     ]
     for ticket in tickets:
         batcher.submit(ticket)
     compute = ComputeThread()
-    batcher.start(loop, compute)
+    batcher.deliver = deliver_on(loop)
+    batcher.start(compute)
     try:
         errors = []
         for ticket in tickets:
             with pytest.raises(BackendError) as caught:
-                await asyncio.wait_for(ticket.future, timeout=10)
+                await asyncio.wait_for(ticket.reply_to, timeout=10)
             errors.append(caught.value)
     finally:
         batcher.stop()
@@ -211,7 +224,7 @@ async def test_inputs_dropped_for_gone_clients_leave_the_queue_gauges_at_zero(
     saying it held them."""
     async with running_app(make_settings(tiny_checkpoint, max_batch_inputs=1)) as (app, client):
         service = service_of(app)
-        batcher = service.batcher
+        batcher = local_engine(service).batcher
         assert batcher is not None
         gate = GatedForward(service)
         held = await gate.hold(client)

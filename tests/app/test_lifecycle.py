@@ -99,7 +99,7 @@ def test_settings_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) ->
         [
             "--port",
             "9000",
-            "--device",
+            "--devices",
             "cuda:1",
             "--no-auto-truncate",
             "--api-key",
@@ -110,7 +110,7 @@ def test_settings_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) ->
             "--no-prepack",
         ]
     )
-    assert settings.port == 9000 and settings.device == "cuda:1"
+    assert settings.port == 9000 and settings.devices == ["cuda:1"]
     assert settings.cuda_graphs is False and Settings().cuda_graphs is True
     assert settings.prepack is False and Settings().prepack is True
     assert settings.auto_truncate is False and settings.max_batch_tokens == 999
@@ -123,7 +123,7 @@ def test_settings_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) ->
     ("argv", "named"),
     [
         (["--port", "70000"], "port"),
-        (["--device", "tpu"], "device"),
+        (["--devices", "tpu"], "devices"),
         (["--dtype", "float8"], "dtype"),
         (["--max-batch-tokens", "0"], "max_batch_tokens"),
         (["--request-timeout", "-1"], "request_timeout"),
@@ -140,5 +140,5 @@ def test_unknown_model_stops_start_up_before_binding(capsys: pytest.CaptureFixtu
     from app.__main__ import main
 
     with pytest.raises(SystemExit) as stopped:
-        main(["--model-id", "nobody/nothing", "--device", "cpu"])
+        main(["--model-id", "nobody/nothing", "--devices", "cpu"])
     assert "nobody/nothing" in str(stopped.value)

@@ -17,11 +17,18 @@ from typing import Any
 
 import pytest
 
-from app.batcher import Batcher
+from app.engine.batcher import Batcher
 from app.errors import OverloadedError
 from app.tokenization import INLINE_CHARS, TOKENIZER_THREADS
 from model import Embedder
-from tests.app.conftest import GatedForward, make_settings, running_app, service_of, wait_until
+from tests.app.conftest import (
+    GatedForward,
+    local_engine,
+    make_settings,
+    running_app,
+    service_of,
+    wait_until,
+)
 from tests.app.test_batching import make_batcher, make_ticket
 
 pytestmark = pytest.mark.anyio
@@ -157,7 +164,7 @@ async def test_attention_values_per_batch(tiny_checkpoint: Path) -> None:
             )
             for _ in range(3)
         ]
-        batcher = service.batcher
+        batcher = local_engine(service).batcher
         assert batcher is not None
         await wait_until(lambda: batcher.depth == 3)
         gate.gate.set()
@@ -242,7 +249,7 @@ async def test_queue_bound_over_http(tiny_checkpoint: Path) -> None:
     )
     async with running_app(settings) as (app, client):
         service = service_of(app)
-        batcher = service.batcher
+        batcher = local_engine(service).batcher
         assert batcher is not None
         gate = GatedForward(service)
         held = await gate.hold(client)  # 3 tokens running
@@ -315,9 +322,11 @@ async def test_a_request_whose_time_went_on_tokenizing_is_not_queued(
             return done
 
         monkeypatch.setattr(service.tokenization, "run", slow_tokenize)
-        assert service.batcher is not None
+        assert local_engine(service).batcher is not None
         submitted: list[object] = []
-        monkeypatch.setattr(service.batcher, "submit", lambda *args: submitted.append(args))
+        monkeypatch.setattr(
+            local_engine(service).batcher, "submit", lambda *args: submitted.append(args)
+        )
         late = await client.post("/embed", json={"inputs": "hello"})
     assert late.status_code == 504
     assert late.json()["error"] == "no result within the request timeout of 0.5 s"

@@ -13,7 +13,7 @@ from app import settings as settings_module
 from app.settings import Settings
 from model.cpus import available_cpus
 from model.device import resolve_dtype
-from tests.app.conftest import GatedForward, make_settings, running_app, service_of
+from tests.app.conftest import GatedForward, local_engine, make_settings, running_app, service_of
 
 pytestmark = pytest.mark.anyio
 
@@ -58,11 +58,12 @@ def test_threads_follow_the_cgroup_quota(tmp_path: Path) -> None:
 def test_more_torch_threads_than_cpus_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(settings_module, "available_cpus", lambda: 2)
     base = Settings(model_id="m")
-    assert base.model_copy(update={"workers": 2}).cpu_oversubscription() is None  # 1 each
+    two_engines = {"devices": ["cpu", "cpu"]}
+    assert base.model_copy(update=two_engines).cpu_oversubscription() is None  # 1 each
     assert base.model_copy(update={"threads": 2}).cpu_oversubscription() is None
-    crowded = base.model_copy(update={"workers": 2, "threads": 2}).cpu_oversubscription()
+    crowded = base.model_copy(update={**two_engines, "threads": 2}).cpu_oversubscription()
     assert crowded is not None
-    assert "2 worker(s) x 2 torch threads" in crowded and "2 CPUs" in crowded
+    assert "2 engine(s) x 2 torch threads" in crowded and "2 CPUs" in crowded
 
 
 async def test_a_cpu_server_on_more_threads_than_cpus_says_so_at_start(
@@ -79,7 +80,7 @@ async def test_a_cpu_server_on_more_threads_than_cpus_says_so_at_start(
 async def test_the_prepack_setting_reaches_the_model(tiny_checkpoint: Path, prepack: bool) -> None:
     """On by default: a CPU server's linear layers run prepacked (model/prepacked.py)."""
     async with running_app(make_settings(tiny_checkpoint, prepack=prepack)) as (app, client):
-        embedder = service_of(app).embedder
+        embedder = local_engine(app).embedder
         assert embedder is not None and (embedder.prepacked > 0) is prepack
         assert (await client.post("/embed", json={"inputs": "hello"})).status_code == 200
 

@@ -44,7 +44,7 @@ class ServerProcess:
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--device",
+            "--devices",
             "cpu",
             "--threads",
             "2",

@@ -84,7 +84,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         sys.executable,
         "-m",
         "app",
-        *("--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--threads", "1"),
+        *("--host", "127.0.0.1", "--port", str(port), "--devices", "cpu", "--threads", "1"),
         *("--api-key", API_KEY, "--max-attention-values", str(MAX_ATTENTION_VALUES)),
     ]
     with log.open("w") as sink:

@@ -4,7 +4,6 @@ numbers that must agree checked against each other and against the service itsel
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -155,8 +154,8 @@ def test_the_gpu_overlay_asks_for_a_gpu_and_uses_it() -> None:
     manifests = rendered("gpu")
     main = container(manifests)
     assert main["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert env(manifests)["EMBED_DEVICE"] == "cuda"
-    assert re.fullmatch(Settings.model_fields["device"].metadata[0].pattern, "cuda")
+    assert env(manifests)["EMBED_DEVICES"] == "cuda"
+    assert Settings(devices=env(manifests)["EMBED_DEVICES"]).devices == ["cuda"]
     assert main["image"] == "embedding-server:cuda"
     assert int(env(manifests)["EMBED_MAX_BATCH_TOKENS"]) >= 1
     # The image it names is built with the CUDA torch through this build argument.

@@ -13,9 +13,7 @@ and, for inputs that want attention maps, the maps within their budget.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,11 +21,11 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
-from app.compute import ComputeThread
 from app.cores import CoreLease
+from app.engine.compute import ComputeThread
+from app.engine.protocol import Admission, IntArray, ItemResult, Outcome, Wants
 from app.errors import BackendError, OverloadedError, ServiceError
 from app.memory import Trimmer
 from app.metrics import Metrics
@@ -35,35 +33,12 @@ from model import AttentionSpec, BatchOutput, Embedder, Encoded, FloatArray, Tas
 
 log = logging.getLogger(__name__)
 
-IntArray = npt.NDArray[np.int64]
 # How far past the oldest input the worker looks for inputs of a similar length.
 WINDOW_FACTOR = 4
 # Seconds without a new input after which the worker stops waiting for a fuller batch.
 QUIET_GAP = 0.002
 # Weight of the past in the seconds-per-token estimate, per batch.
 ESTIMATE_DECAY = 0.9
-
-
-@dataclass(frozen=True, slots=True)
-class Wants:
-    """What one input asks to get back."""
-
-    pooled: bool = True
-    normalize: bool = True
-    dimensions: int | None = None
-    token_embeddings: bool = False
-    attention: AttentionSpec | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ItemResult:
-    """One input's outputs, finished (cut and normalised as asked)."""
-
-    embedding: FloatArray | None  # (D,)
-    token_embeddings: FloatArray | None  # (T, hidden)
-    attention: dict[int, FloatArray] | None  # layer -> (h, T, T), or (T, T) for a mean
-    scores: FloatArray | None = None  # a classifier's raw logits, (labels,)
-    sparse: tuple[IntArray, FloatArray] | None = None  # SPLADE: vocabulary ids and weights
 
 
 @dataclass(eq=False, slots=True)
@@ -78,29 +53,29 @@ class WorkItem:
 
 
 class Ticket:
-    """One request's inputs: resolved once, on the event loop, when the last one is done."""
+    """One request's inputs; delivered once, when the last one is done. `reply_to` is the
+    caller's (the future of an in-process request, the address of a remote one)."""
 
     __slots__ = (
         "abandoned",
+        "deadline",
         "enqueued_at",
-        "future",
         "inference_seconds",
         "items",
         "queue_seconds",
         "remaining",
+        "reply_to",
         "results",
         "tokens",
         "wants",
     )
 
     def __init__(
-        self,
-        encoded: Sequence[Encoded],
-        wants: Wants,
-        future: asyncio.Future[list[ItemResult]],
+        self, encoded: Sequence[Encoded], wants: Wants, deadline: float, reply_to: object
     ) -> None:
         self.wants = wants
-        self.future = future
+        self.deadline = deadline  # time.perf_counter(): past it, nobody waits for the result
+        self.reply_to = reply_to
         self.items = [WorkItem(e, self, row) for row, e in enumerate(encoded)]
         self.results: list[ItemResult | None] = [None] * len(self.items)
         self.remaining = len(self.items)
@@ -108,22 +83,22 @@ class Ticket:
         self.enqueued_at = time.perf_counter()
         self.queue_seconds = 0.0
         self.inference_seconds = 0.0
-        # Set from the event loop when nobody waits for the result any more (client gone,
-        # timeout); the worker then drops the inputs instead of running them.
+        # Set by the caller when nobody waits for the result any more (client gone); the
+        # worker then drops the inputs instead of running them.
         self.abandoned = False
 
+    def expired(self, now: float) -> bool:
+        return self.abandoned or now > self.deadline
 
-Delivery = tuple[asyncio.Future[list[ItemResult]], list[ItemResult] | ServiceError]
+
+# A finished request: its ticket and its outcome or its error.
+Delivery = tuple[Ticket, Outcome | ServiceError]
+# Called on the worker thread once per batch with every request the batch finished.
+Deliver = Callable[[list[Delivery]], None]
 
 
 def _requests_in(items: Sequence[WorkItem]) -> int:
     return len({id(item.ticket) for item in items})
-
-
-def _overloaded(excess: float, reason: str) -> OverloadedError:
-    """Retry-After: once `excess` seconds of the queue's work have drained."""
-    retry_after = max(1, math.ceil(excess))
-    return OverloadedError(f"{reason}; retry in {retry_after} s", retry_after=retry_after)
 
 
 class Batcher:
@@ -131,6 +106,7 @@ class Batcher:
         self,
         embedder: Embedder,
         metrics: Metrics,
+        deliver: Deliver,
         *,
         max_batch_tokens: int,
         max_batch_inputs: int,
@@ -143,14 +119,16 @@ class Batcher:
     ) -> None:
         self.embedder = embedder
         self.metrics = metrics
+        self.deliver = deliver
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_inputs = max_batch_inputs
         self.max_attention_values = max_attention_values
         self.max_wait = max_wait
         # The work a request may find ahead of it (by default, all of its time).
-        self.max_queue_wait = max_wait if max_queue_wait is None else max_queue_wait
+        self.admission = Admission(max_wait, max_wait if max_queue_wait is None else max_queue_wait)
         self.batch_wait = batch_wait
         self.cores = cores
+        self._publish_state: Callable[[int, float], None] | None = None
         # How many requests the last batch served: their clients come back within
         # milliseconds of their answers, so the wait for a fuller batch expects that many. A
         # lone client sends its next request only after its answer, so a wait for company
@@ -161,7 +139,6 @@ class Batcher:
         self._running_tokens = 0
         self._condition = threading.Condition()
         self._stopping = False
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._worker: Future[None] | None = None
         # Decayed sums of seconds and tokens over recent batches: their ratio estimates the
         # seconds one more queued token costs (big batches weigh most, as under load).
@@ -179,10 +156,13 @@ class Batcher:
         self._publish_busy()
 
     def _publish_busy(self) -> None:
-        """Tell the other workers (app/cores.py) whether this one has work queued or running.
-        Called with the lock held."""
+        """Tell the other engines on this CPU (app/cores.py) whether this one has work queued
+        or running, and the front ends its backlog. Called with the lock held."""
         if self.cores is not None:
             self.cores.set_busy(bool(self._queue) or self._running_tokens > 0)
+        if self._publish_state is not None:
+            backlog = self._queued_tokens + self._running_tokens
+            self._publish_state(backlog, self.seconds_per_token)
 
     # State ----------------------------------------------------------------------------
     @property
@@ -203,10 +183,21 @@ class Batcher:
         return backlog * self.seconds_per_token
 
     # Lifecycle ------------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop, compute: ComputeThread) -> None:
+    def publish_to(self, publish: Callable[[int, float], None]) -> None:
+        """Tell `publish` the tokens queued and running and the seconds per token after every
+        change (app/engine/state.py), where front ends in other processes admit work."""
+        with self._condition:
+            self._publish_state = publish
+            self._publish_busy()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and no batch running."""
+        return not self._queue and self._running_tokens == 0
+
+    def start(self, compute: ComputeThread) -> None:
         """Run the worker loop on `compute`, the thread that loaded the model (see
-        app/compute.py); it holds that thread until `stop`."""
-        self._loop = loop
+        app/engine/compute.py); it holds that thread until `stop`."""
         self._worker = compute.submit(self._run)
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -235,38 +226,18 @@ class Batcher:
             self._check_room(0, within)
 
     def _check_room(self, tokens: int, within: float) -> None:
-        """429 when the work queued and running, with `tokens` more, would not finish within
-        `within` seconds (at most `max_wait`), or when that work alone is over
-        `max_queue_wait`. An empty queue takes any request. Called with the lock held."""
-        if self._queued_tokens + self._running_tokens == 0:
+        """429 by the admission rule (app/engine/protocol.py); before refusing, once more
+        without the inputs of requests that nobody waits for any more (their clients left
+        while they were queued), which the worker would drop. Called with the lock held."""
+        if self._verdict(tokens, within) is None:
             return
-        limit = min(within, self.max_wait)
-        wait = self._wait_without_abandoned(tokens, limit)
-        if wait > limit:
-            with_own = f", with this request's {tokens} tokens," if tokens else ""
-            raise _overloaded(
-                wait - self.max_wait,
-                f"the queue holds about {self.estimated_wait():.1f} s of work{with_own} and "
-                f"would not finish within the {limit:.1f} s left of the request's "
-                f"{self.max_wait:g} s",
-            )
-        ahead = self._wait_without_abandoned(0, self.max_queue_wait)
-        if ahead > self.max_queue_wait:
-            raise _overloaded(
-                ahead - self.max_queue_wait,
-                f"the queue holds about {ahead:.1f} s of work, more than the "
-                f"{self.max_queue_wait:g} s a request may wait behind others",
-            )
+        self._drop_abandoned()
+        if (error := self._verdict(tokens, within)) is not None:
+            raise error
 
-    def _wait_without_abandoned(self, tokens: int, limit: float) -> float:
-        """The estimated wait; past `limit`, once more without the inputs of requests that
-        nobody waits for any more (their clients left while they were queued), which the
-        worker would drop. Called with the lock held."""
-        wait = self.estimated_wait(tokens)
-        if wait > limit:
-            self._drop_abandoned()
-            wait = self.estimated_wait(tokens)
-        return wait
+    def _verdict(self, tokens: int, within: float) -> OverloadedError | None:
+        backlog = self._queued_tokens + self._running_tokens
+        return self.admission.verdict(backlog, tokens, self.seconds_per_token, within)
 
     # Worker thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -314,7 +285,8 @@ class Batcher:
             return batch
 
     def _drop_abandoned(self) -> None:
-        kept = [item for item in self._queue if not item.ticket.abandoned]
+        now = time.perf_counter()
+        kept = [item for item in self._queue if not item.ticket.expired(now)]
         if len(kept) != len(self._queue):
             self._queued_tokens = sum(item.length for item in kept)
             self._queue = kept
@@ -461,27 +433,20 @@ class Batcher:
             )
             ticket.remaining -= 1
             if ticket.remaining == 0:
-                deliveries.append((ticket.future, [r for r in ticket.results if r is not None]))
+                items = [r for r in ticket.results if r is not None]
+                outcome = Outcome(items, ticket.queue_seconds, ticket.inference_seconds)
+                deliveries.append((ticket, outcome))
         if deliveries:
-            self._call_on_loop(_resolve, deliveries)
+            self.deliver(deliveries)
 
     def _fail(self, tickets: set[Ticket], message: str) -> None:
         """Each request gets an error of its own (never one shared exception object)."""
-        deliveries: list[Delivery] = [(t.future, BackendError(message)) for t in tickets]
+        deliveries: list[Delivery] = [(t, BackendError(message)) for t in tickets]
         for ticket in tickets:
             ticket.remaining = -1  # its other inputs, if still queued, are skipped
             ticket.abandoned = True
         if deliveries:
-            self._call_on_loop(_resolve, deliveries)
-
-    def _call_on_loop(
-        self, callback: Callable[[list[Delivery]], None], arg: list[Delivery]
-    ) -> None:
-        assert self._loop is not None, "start() sets the loop before the worker runs"
-        try:
-            self._loop.call_soon_threadsafe(callback, arg)
-        except RuntimeError:  # the event loop closed during shutdown: nobody is waiting
-            log.warning("dropping %d results: the event loop is closed", len(arg))
+            self.deliver(deliveries)
 
 
 def finished_embeddings(batch: list[WorkItem], pooled: FloatArray) -> dict[int, FloatArray]:
@@ -507,13 +472,3 @@ def nonzero(weights: FloatArray) -> tuple[IntArray, FloatArray]:
 def _map_values(spec: AttentionSpec, width: int, count: int) -> int:
     """Attention probabilities a batch computes: every kept head, on the padded width."""
     return count * len(spec.layers) * len(spec.heads) * width * width
-
-
-def _resolve(deliveries: list[Delivery]) -> None:
-    for future, outcome in deliveries:
-        if future.done():  # cancelled: the request stopped waiting
-            continue
-        if isinstance(outcome, ServiceError):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)

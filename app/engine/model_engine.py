@@ -1,0 +1,120 @@
+"""An engine's torch side: the model on its compute thread, warmed up, and its batch queue.
+
+Both placements run this: in the front end's process (app/engine/local.py) or in a process
+of its own (app/engine/process.py). Results leave through `deliver`, on the compute thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from app.cores import CoreLease
+from app.engine.batcher import Batcher, Deliver
+from app.engine.compute import ComputeThread
+from app.metrics import Metrics
+from app.settings import Settings
+from model import Embedder, Encoded
+from model.codec import ModelCard
+from model.shared_weights import WeightStore
+
+log = logging.getLogger(__name__)
+
+
+def warm_up_batch(embedder: Embedder) -> list[Encoded]:
+    """A batch shaped like real traffic, so that its timing seeds the queue's estimate."""
+    text = "a warm-up sentence of ordinary words and length " * 8
+    return embedder.tokenize([text] * 16)
+
+
+class ModelEngine:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        device: str,
+        cores: CoreLease | None = None,
+        weights: WeightStore | None = None,
+    ) -> None:
+        """`cores` and `weights`: this engine's share of the CPU's cores and the weights'
+        shared memory, where several engines run on one CPU (app/cores.py,
+        model/shared_weights.py)."""
+        self.settings = settings
+        self.metrics = metrics
+        self.device = device
+        self.cores = cores
+        self.weights = weights
+        self.embedder: Embedder | None = None
+        self.batcher: Batcher | None = None
+        # Every torch call runs on this one thread (see app/engine/compute.py).
+        self.compute: ComputeThread | None = None
+
+    def load(self, deliver: Deliver) -> ModelCard:
+        """Load the model, warm it up, start the batch worker; blocks until done."""
+        settings = self.settings
+        threads = settings.engine_threads()
+        log.info("%d torch threads", threads)
+        self.compute = compute = ComputeThread(threads)
+        embedder = compute.submit(
+            Embedder.load,
+            settings.model_id,
+            task=settings.task,
+            device=self.device,
+            dtype=settings.dtype,
+            allow_download=settings.allow_download,
+            max_input_tokens=settings.max_input_tokens,
+            cuda_graphs=settings.cuda_graphs,
+            prepack=settings.prepack,
+        ).result()
+        if embedder.prepacked:
+            log.info("%d linear layers prepacked for oneDNN", embedder.prepacked)
+        if self.weights is not None:
+            compute.submit(embedder.share_weights, self.weights).result()
+        seconds_per_token = compute.submit(self._warm_up, embedder).result()
+        self.embedder = embedder
+        info = embedder.info
+        self.metrics.model_info.labels(info.model_id, info.dtype, info.device).set(1)
+        self.batcher = Batcher(
+            embedder,
+            self.metrics,
+            deliver,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_batch_inputs=settings.max_batch_inputs,
+            max_attention_values=settings.max_attention_values,
+            max_wait=settings.request_timeout,
+            max_queue_wait=settings.max_queue_wait,
+            batch_wait=settings.batch_wait_ms / 1000,
+            seconds_per_token=seconds_per_token,
+            cores=self.cores if info.device == "cpu" else None,
+        )
+        self.batcher.start(compute)
+        log.info(
+            "ready: %s (%s, %s: %s)", info.model_id, info.device, info.dtype, info.dtype_reason
+        )
+        if info.device == "cpu" and (oversubscription := settings.cpu_oversubscription()):
+            log.warning(oversubscription)
+        return embedder.codec.card
+
+    @staticmethod
+    def _warm_up(embedder: Embedder) -> float:
+        """Run a batch eagerly (paying one-time costs), capture the CUDA graphs (on a GPU),
+        then time the batch again; return its seconds per token."""
+        batch = warm_up_batch(embedder)
+        embedder.forward(batch, token_embeddings=True)
+        started = time.perf_counter()
+        if graphs := embedder.capture_graphs():
+            log.info("%d CUDA graphs captured in %.1f s", graphs, time.perf_counter() - started)
+        started = time.perf_counter()
+        embedder.forward(batch)
+        return (time.perf_counter() - started) / sum(len(e.ids) for e in batch)
+
+    @property
+    def alive(self) -> bool:
+        return self.batcher is not None and self.batcher.alive
+
+    def stop(self) -> None:
+        """The worker ends after its batch in progress; then the compute thread."""
+        if self.batcher is not None:
+            self.batcher.stop()
+        if self.compute is not None:
+            self.compute.close()

@@ -1,0 +1,233 @@
+"""The messages between front ends and engines in other processes, as msgpack (msgspec).
+
+Front end to engine: `Submit` (one request's token ids and what it wants back) and `Abort`.
+Engine to front end: `Reply`, whose arrays travel as raw little-endian bytes and become numpy
+views on the front end, never Python lists. No torch here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from app.engine.protocol import ItemResult, Outcome, Wants
+from app.errors import (
+    BackendError,
+    OverloadedError,
+    ServiceError,
+    UnavailableError,
+)
+from model.info import AttentionSpec
+from model.tokenizer import Encoded
+
+FLOAT32 = np.dtype("<f4")
+INT64 = np.dtype("<i8")
+
+
+class Submit(msgspec.Struct, array_like=True, tag=0):
+    frontend: int
+    request: int
+    left: float  # seconds left of the request's time, when it was sent
+    ids: list[list[int]]
+    prompt_lengths: list[int]
+    type_ids: list[list[int] | None] | None
+    pooled: bool
+    normalize: bool
+    dimensions: int | None
+    token_embeddings: bool
+    # layers, heads, mean
+    attention: tuple[list[int], list[int], bool] | None
+
+
+class Abort(msgspec.Struct, array_like=True, tag=1):
+    frontend: int
+    request: int
+
+
+class Failure(msgspec.Struct, array_like=True):
+    error_type: str
+    message: str
+    retry_after: int = 0
+
+
+class Reply(msgspec.Struct, array_like=True):
+    request: int
+    failure: Failure | None = None
+    queue_seconds: float = 0.0
+    inference_seconds: float = 0.0
+    # (N, D) finished vectors, or a classifier's (N, labels) logits.
+    pooled: bytes | None = None
+    pooled_width: int = 0
+    scores: bool = False
+    # Per-token vectors: every input's rows, one after another, and their counts.
+    token_embeddings: bytes | None = None
+    token_counts: list[int] | None = None
+    hidden_size: int = 0
+    # SPLADE: each input's vocabulary ids and weights, one after another, and their counts.
+    sparse_ids: bytes | None = None
+    sparse_weights: bytes | None = None
+    sparse_counts: list[int] | None = None
+    # Attention: per input, per layer (in `attention_layers` order), one after another.
+    attention: bytes | None = None
+    attention_layers: list[int] | None = None
+    attention_shapes: list[list[int]] | None = None
+
+
+ToEngine = Submit | Abort
+to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+encoder = msgspec.msgpack.Encoder()
+
+# Errors an engine sends back, by their error_type, rebuilt as raised on the front end.
+_ERRORS: dict[str, type[ServiceError]] = {
+    "Backend": BackendError,
+    "Unhealthy": UnavailableError,
+}
+
+
+def submit_message(
+    frontend: int, request: int, left: float, encoded: Sequence[Encoded], wants: Wants
+) -> Submit:
+    attention = wants.attention
+    has_types = any(e.type_ids for e in encoded)
+    return Submit(
+        frontend,
+        request,
+        left,
+        [e.ids for e in encoded],
+        [e.prompt_length for e in encoded],
+        [e.type_ids for e in encoded] if has_types else None,
+        wants.pooled,
+        wants.normalize,
+        wants.dimensions,
+        wants.token_embeddings,
+        (list(attention.layers), list(attention.heads), attention.mean) if attention else None,
+    )
+
+
+def submitted(message: Submit) -> tuple[list[Encoded], Wants]:
+    """The engine's side: inputs the model can run (ids, prompt and segments only)."""
+    types = message.type_ids or [None] * len(message.ids)
+    encoded = [
+        Encoded(ids, [], None, [], False, prompt, type_ids)
+        for ids, prompt, type_ids in zip(message.ids, message.prompt_lengths, types, strict=True)
+    ]
+    attention = message.attention
+    spec = None
+    if attention is not None:
+        spec = AttentionSpec(tuple(attention[0]), tuple(attention[1]), attention[2])
+    wants = Wants(
+        message.pooled, message.normalize, message.dimensions, message.token_embeddings, spec
+    )
+    return encoded, wants
+
+
+def failure_reply(request: int, error: ServiceError) -> Reply:
+    retry_after = error.retry_after if isinstance(error, OverloadedError) else 0
+    return Reply(request, Failure(error.error_type, error.message, retry_after))
+
+
+def outcome_reply(request: int, outcome: Outcome) -> Reply:
+    items = outcome.items
+    reply = Reply(request, None, outcome.queue_seconds, outcome.inference_seconds)
+    first = items[0]
+    pooled = first.embedding if first.embedding is not None else first.scores
+    if pooled is not None:
+        rows = [item.embedding if item.embedding is not None else item.scores for item in items]
+        reply.pooled = b"".join(_bytes(row) for row in rows if row is not None)
+        reply.pooled_width = pooled.shape[-1]
+        reply.scores = first.scores is not None
+    if first.token_embeddings is not None:
+        states = [item.token_embeddings for item in items if item.token_embeddings is not None]
+        reply.token_embeddings = b"".join(_bytes(rows) for rows in states)
+        reply.token_counts = [len(rows) for rows in states]
+        reply.hidden_size = states[0].shape[-1]
+    if first.sparse is not None:
+        pairs = [item.sparse for item in items if item.sparse is not None]
+        reply.sparse_ids = b"".join(ids.astype(INT64, copy=False).tobytes() for ids, _ in pairs)
+        reply.sparse_weights = b"".join(_bytes(weights) for _, weights in pairs)
+        reply.sparse_counts = [len(ids) for ids, _ in pairs]
+    if first.attention is not None:
+        layers = sorted(first.attention)
+        maps = [item.attention[layer] for item in items if item.attention for layer in layers]
+        reply.attention = b"".join(_bytes(values) for values in maps)
+        reply.attention_layers = layers
+        reply.attention_shapes = [list(values.shape) for values in maps]
+    return reply
+
+
+def reply_outcome(reply: Reply, count: int) -> Outcome | ServiceError:
+    """The front end's side: the request's `count` results as views on the reply's bytes."""
+    if reply.failure is not None:
+        return _error(reply.failure)
+    pooled = _rows(reply.pooled, (count, reply.pooled_width)) if reply.pooled else None
+    tokens = _split(reply.token_embeddings, reply.token_counts, reply.hidden_size)
+    sparse = _sparse(reply)
+    attention = _attention(reply, count)
+    items = [
+        ItemResult(
+            pooled[row] if pooled is not None and not reply.scores else None,
+            tokens[row] if tokens is not None else None,
+            attention[row] if attention is not None else None,
+            pooled[row] if pooled is not None and reply.scores else None,
+            sparse[row] if sparse is not None else None,
+        )
+        for row in range(count)
+    ]
+    return Outcome(items, reply.queue_seconds, reply.inference_seconds)
+
+
+def _bytes(array: np.ndarray) -> bytes:
+    return np.ascontiguousarray(array, dtype=FLOAT32).tobytes()
+
+
+def _rows(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    return np.frombuffer(data, dtype=FLOAT32).reshape(shape)
+
+
+def _split(data: bytes | None, counts: list[int] | None, width: int) -> list[np.ndarray] | None:
+    if data is None or counts is None:
+        return None
+    rows = _rows(data, (sum(counts), width))
+    return [rows[start:stop] for start, stop in _spans(counts)]
+
+
+def _sparse(reply: Reply) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    if reply.sparse_ids is None or reply.sparse_weights is None or reply.sparse_counts is None:
+        return None
+    ids = np.frombuffer(reply.sparse_ids, dtype=INT64)
+    weights = np.frombuffer(reply.sparse_weights, dtype=FLOAT32)
+    return [(ids[start:stop], weights[start:stop]) for start, stop in _spans(reply.sparse_counts)]
+
+
+def _spans(counts: list[int]) -> list[tuple[int, int]]:
+    """Each part's (start, stop) where parts of these sizes lie one after another."""
+    return list(itertools.pairwise(itertools.accumulate(counts, initial=0)))
+
+
+def _attention(reply: Reply, count: int) -> list[dict[int, np.ndarray]] | None:
+    if reply.attention is None or reply.attention_layers is None or not reply.attention_shapes:
+        return None
+    values = np.frombuffer(reply.attention, dtype=FLOAT32)
+    layers = reply.attention_layers
+    shapes = iter(reply.attention_shapes)
+    offset = 0
+    per_input: list[dict[int, np.ndarray]] = []
+    for _ in range(count):
+        maps = {}
+        for layer in layers:
+            shape = next(shapes)
+            size = int(np.prod(shape))
+            maps[layer] = values[offset : offset + size].reshape(shape)
+            offset += size
+        per_input.append(maps)
+    return per_input
+
+
+def _error(failure: Failure) -> ServiceError:
+    if failure.error_type == OverloadedError.error_type:
+        return OverloadedError(failure.message, retry_after=failure.retry_after)
+    return _ERRORS.get(failure.error_type, ServiceError)(failure.message)

@@ -1,0 +1,330 @@
+"""The split placement: engine processes (one per device) behind front-end processes.
+
+The supervisor (this module, in the process the container runs; it never imports torch)
+reserves the port, starts the engines and waits until each has loaded its model and sent
+its card, then starts the front ends, which each listen on the port (see `bind`) and reach
+every engine over ZeroMQ (app/engine/remote.py, app/engine/process.py).
+
+Stopping: SIGTERM or SIGINT goes to the front ends, which drain as one server alone does
+(app/server.py); once they have exited, the engines finish what is queued and exit, and so
+does the supervisor, with 0. Failures, so that an orchestrator never sees a half-serving
+container as healthy: an engine that dies is marked dead on the board every front end reads
+(their /live turns 503 and its requests fail), the front ends are stopped and the supervisor
+exits non-zero; a front end that dies stops everything the same way.
+
+Metrics go through prometheus_client's multiprocess mode: every process writes its values
+to files in a directory made here, and whichever front end answers /metrics reports them
+all. Engines on one CPU hold their weights once, in a file made here
+(model/shared_weights.py), and share its cores (app/cores.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for_any
+from multiprocessing.context import SpawnContext, SpawnProcess
+from pathlib import Path
+from types import FrameType
+
+from app.balance import ConnectionBalance, Counts
+from app.cores import CoreLease, CorePool
+from app.engine.state import EngineBoard, Status
+from app.logs import configure_logging
+from app.memory import limit_arenas
+from app.metrics import MULTIPROCESS_DIR_VARIABLE
+from app.settings import Settings
+from model.codec import ModelCard
+from model.errors import ConfigError
+
+log = logging.getLogger("app")
+
+# Seconds a process gets to exit after its signal before it is killed: the longest a drain
+# may take, plus uvicorn's close and the batch worker's stop.
+STOP_MARGIN = 10.0
+_PR_SET_PDEATHSIG = 1  # from linux/prctl.h
+_PR_SET_NAME = 15
+
+
+def bind(settings: Settings, *, listen: bool, share: bool = True) -> socket.socket:
+    """A socket on the port; shared (SO_REUSEPORT), each front end listens on one of its
+    own, and the kernel spreads new connections over them one by one, by a hash of the
+    addresses. (On one shared socket, whichever front end's loop woke first took a whole
+    burst of connections.)"""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if share:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError:
+        sock.close()
+        raise
+    if listen:
+        sock.listen(2048)
+    return sock
+
+
+def reserve(settings: Settings) -> socket.socket:
+    """The port, checked and held for the front ends. Bound unshared first: SO_REUSEPORT
+    alone would let this server join another one of the same user on the port, unnoticed.
+    Then held shared and never listening, so that the kernel sends it no connection."""
+    bind(settings, listen=False, share=False).close()
+    return bind(settings, listen=False)
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What the supervisor makes for its children: the sockets' folder, the board, the CPU's
+    cores and the weights' file for engines on one CPU, the front ends' connection counts."""
+
+    run_dir: Path
+    board_path: Path
+    engines: int
+    cores: CorePool | None
+    weights_dir: Path | None
+    counts: Counts
+
+
+def supervise(settings: Settings) -> int:
+    """Serve with engines and front ends until they stop; return the exit code."""
+    try:
+        reservation = reserve(settings)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror)
+        return 1
+    run_dir = Path(tempfile.mkdtemp(prefix="embed-"))
+    metrics_dir = run_dir / "metrics"
+    metrics_dir.mkdir()
+    # Set before the children start: prometheus_client picks its value store at import.
+    os.environ[MULTIPROCESS_DIR_VARIABLE] = str(metrics_dir)
+    context = multiprocessing.get_context("spawn")
+    devices = settings.devices
+    cpu_engines = sum(1 for device in devices if not device.startswith("cuda"))
+    shared = Shared(
+        run_dir,
+        run_dir / "board",
+        len(devices),
+        CorePool(context, len(devices), settings.engine_threads()) if cpu_engines > 1 else None,
+        run_dir / "weights" if cpu_engines > 1 else None,
+        context.RawArray(ctypes.c_int, settings.frontend_count()),
+    )
+    if shared.weights_dir is not None:
+        shared.weights_dir.mkdir()
+    board = EngineBoard.create(shared.board_path, len(devices))
+    try:
+        return Supervisor(settings, context, shared, board).run()
+    finally:
+        reservation.close()
+        if shared.cores is not None:
+            shared.cores.remove()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class Supervisor:
+    def __init__(
+        self, settings: Settings, context: SpawnContext, shared: Shared, board: EngineBoard
+    ) -> None:
+        self.settings = settings
+        self.context = context
+        self.shared = shared
+        self.board = board
+        self.engines: list[SpawnProcess] = []
+        self.frontends: list[SpawnProcess] = []
+        # Set by a signal, or by a child exiting on its own: every exit after it is expected.
+        self.stopping = threading.Event()
+        self.code = 0
+
+    def run(self) -> int:
+        previous = {
+            sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        try:
+            card = self._start_engines()
+            if card is None or self.stopping.is_set():
+                self._stop(self.engines)
+                return self.code
+            self._start_frontends(card)
+            self._wait()
+            return self.code
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _forward(self, sig: int, frame: FrameType | None) -> None:
+        """A stop signal: the front ends drain (the engines once they are gone)."""
+        self.stopping.set()
+        for process in self.frontends or self.engines:
+            if process.pid is not None and process.exitcode is None:
+                os.kill(process.pid, sig)
+
+    def _start_engines(self) -> ModelCard | None:
+        """Every engine loaded and warmed up: the model's card (the same from each), or
+        None when one failed (logged, exit code set)."""
+        links: list[Connection] = []
+        for index, device in enumerate(self.settings.devices):
+            receiving, sending = self.context.Pipe(duplex=False)
+            process = self.context.Process(
+                target=_run_engine,
+                args=(self.settings, index, device, self.shared, sending),
+                name=f"engine-{index}",
+            )
+            process.start()
+            sending.close()
+            self.engines.append(process)
+            links.append(receiving)
+        card: ModelCard | None = None
+        for index, (process, link) in enumerate(zip(self.engines, links, strict=True)):
+            wait_for_any([link, process.sentinel])
+            try:
+                kind, value = link.recv()
+            except EOFError:
+                kind, value = "error", f"the engine process exited with {process.exitcode}"
+            if kind == "error":
+                log.error("engine %d (%s) failed to start: %s", index, process.name, value)
+                self.code = 1
+                return None
+            card = value
+        return card
+
+    def _start_frontends(self, card: ModelCard) -> None:
+        for index in range(self.settings.frontend_count()):
+            process = self.context.Process(
+                target=_run_frontend,
+                args=(self.settings, card, index, self.shared),
+                name=f"frontend-{index}",
+            )
+            process.start()
+            self.frontends.append(process)
+            # A signal before this one had a pid skipped it in `_forward`: pass it on now.
+            if self.stopping.is_set():
+                os.kill(process.pid or 0, signal.SIGTERM)
+        log.info(
+            "%d engine(s) on %s, %d front end(s) on %s:%d",
+            len(self.engines),
+            ",".join(self.settings.devices),
+            len(self.frontends),
+            self.settings.host,
+            self.settings.port,
+        )
+
+    def _wait(self) -> None:
+        """Until every child has exited. The front ends go first; the engines follow once
+        the last front end has gone. Any exit without a signal stops everything."""
+        drain = self.settings.drain_delay + self.settings.shutdown_grace
+        running = [*self.frontends, *self.engines]
+        while running:
+            wait_for_any([process.sentinel for process in running])
+            for process in [p for p in running if p.exitcode is not None]:
+                running.remove(process)
+                self._exited(process, drain)
+            if not any(p in running for p in self.frontends):
+                self._stop([p for p in self.engines if p in running], drain)
+
+    def _exited(self, process: SpawnProcess, drain: float) -> None:
+        if process in self.engines:
+            index = self.engines.index(process)
+            self.board.set_status(index, Status.DEAD)
+            if self.shared.cores is not None:
+                self.shared.cores.forget(index)  # its cores are free for the others
+        code = _shell_code(process.exitcode or 0)
+        self.code = self.code or code
+        if not self.stopping.is_set():
+            log.error("%s exited with %d: stopping the others", process.name, process.exitcode)
+            self.stopping.set()
+            self.code = self.code or 1
+            self._stop([p for p in self.frontends if p.exitcode is None], drain)
+
+    @staticmethod
+    def _stop(processes: list[SpawnProcess], drain: float = 0.0) -> None:
+        for process in processes:
+            if process.exitcode is None:
+                process.terminate()  # SIGTERM: a drain
+        for process in processes:
+            process.join(drain + STOP_MARGIN)
+            if process.exitcode is None:
+                process.kill()
+
+
+def _shell_code(exitcode: int) -> int:
+    """multiprocessing reports a death by signal N as -N; a shell says 128 + N."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def check_devices_in_child(devices: list[str]) -> None:
+    """ConfigError unless every device can work, checked in a spawned child process (which
+    has this process's import path) so that the supervisor itself never imports torch; the
+    child's ConfigError comes back as it was raised."""
+    asked = [device for device in devices if device not in ("auto", "cpu")]  # always work
+    if not asked:
+        return
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            pool.submit(_check_devices, asked).result()
+        except BrokenProcessPool as exc:
+            message = f"devices {asked} could not be checked: the checking process died"
+            raise ConfigError(message) from exc
+
+
+def _check_devices(devices: list[str]) -> None:
+    """In the child; returns nothing, so that no torch object travels back."""
+    from model.device import resolve_device
+
+    for device in devices:
+        resolve_device(device)
+
+
+def _child(settings: Settings, name: str) -> None:
+    """What every child does first. Signals reach it through the supervisor only (a
+    terminal's Ctrl-C goes to the whole process group, and a child that got it twice would
+    skip its drain); it dies with the supervisor; `name` is its name in ps and top."""
+    os.setpgrp()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_NAME, name.encode())
+    except (OSError, AttributeError):  # not Linux: children outlive a killed supervisor
+        log.debug("prctl is not available")
+    limit_arenas()
+    configure_logging(settings.log_level, settings.log_format)
+    log.info("%s started (pid %d)", name, os.getpid())
+
+
+def _run_engine(
+    settings: Settings, index: int, device: str, shared: Shared, ready: Connection
+) -> None:
+    _child(settings, "embed-engine")
+    # Imported here only: the supervisor and the front ends never import torch.
+    from app.engine.process import EngineProcess
+    from model.shared_weights import WeightStore
+
+    cores = CoreLease(shared.cores, index) if shared.cores is not None else None
+    weights = WeightStore(shared.weights_dir) if shared.weights_dir is not None else None
+    board = EngineBoard(shared.board_path, shared.engines)
+    engine = EngineProcess(settings, index, device, shared.run_dir, board, cores, weights)
+    raise SystemExit(engine.run(ready))
+
+
+def _run_frontend(settings: Settings, card: ModelCard, index: int, shared: Shared) -> None:
+    _child(settings, "embed-frontend")
+    from app.engine.protocol import Admission
+    from app.engine.remote import RemoteEngine
+    from app.server import serve
+
+    board = EngineBoard(shared.board_path, shared.engines)
+    admission = Admission(settings.request_timeout, settings.max_queue_wait)
+    engine = RemoteEngine(card, index, shared.run_dir, board, admission)
+    balance = ConnectionBalance(shared.counts, index)
+    raise SystemExit(serve(settings, engine, bind(settings, listen=True), balance))

@@ -1,0 +1,342 @@
+"""The server's CPU per request outside the model, against the floor of a Python front end.
+
+In one run, rounds alternating the two, each round a fresh process pinned to a core of its
+own (taskset; wrk on another, as bench/wrk.py pins it):
+1. The floor (bench/floor_app.py): a raw ASGI app under uvicorn (uvloop, httptools) doing
+   only what no Python front end can skip per POST /embed: read the body, parse it with
+   orjson, tokenize the input once, write a fixed vector of 32 floats with orjson.
+2. The server (`python -m app --device cpu --dtype float32 --threads 1`, plus the flags
+   after --) on a tiny random model (BERT, 1 layer, hidden 32, 2 heads) with the default
+   model's tokenizer, so that its forward passes cost little beside everything around them.
+Each takes 32 wrk connections of one short sentence per request for --seconds after 2 s of
+warm-up. Its CPU per request is the utime + stime of its whole process tree (the started
+process and all its descendants, from /proc) over the measured run, over the requests wrk
+completed; each keeps its best round (the lowest CPU per request), and server/floor is what
+the server spends beyond the floor. When the server runs its engine in processes of its own
+(named embed-engine), their CPU per input outside the forward passes (whose time /metrics
+gives) is printed too. All is written to bench/results/serving_cost.json.
+Usage: python -m bench.serving_cost [--seconds 8] [--rounds 2] [--port N] [-- SERVER FLAGS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from bench.workload import short_sentences
+from bench.wrk import WRK_CORE, Server, WrkResult, free_port, run_wrk
+from model.architectures import config_from_hf
+from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
+
+RESULTS = Path(__file__).resolve().parent / "results" / "serving_cost.json"
+CONNECTIONS = 32
+WARM_UP_SECONDS = 2
+DIMENSION = 32
+ENGINE_NAME = "embed-engine"  # the name (/proc/PID/comm) of the split placement's engines
+FORWARD_SECONDS = "embed_inference_duration_seconds_sum"
+INPUTS = "embed_inputs_total"
+# The default model's tokenizer and its settings (sentence_bert_config.json: its truncation),
+# so that the tiny model tokenizes as the default does.
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+    "sentence_bert_config.json",
+)
+TINY_CONFIG: dict[str, Any] = {
+    "model_type": "bert",
+    "architectures": ["BertModel"],
+    "hidden_size": DIMENSION,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "intermediate_size": 48,
+    "max_position_embeddings": 512,
+    "hidden_act": "gelu",
+    "layer_norm_eps": 1e-12,
+    "type_vocab_size": 2,
+    "pad_token_id": 0,
+}
+MODULES = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {
+        "idx": 2,
+        "name": "2",
+        "path": "2_Normalize",
+        "type": "sentence_transformers.models.Normalize",
+    },
+]
+
+
+def make_tiny_model(folder: Path) -> Path:
+    """A sentence-transformers folder (mean pooling, Normalize) with random BERT weights."""
+    source = resolve_model_dir(DEFAULT_MODEL_ID, allow_download=False)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in COPIED_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
+    vocab_size = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
+    raw = {**TINY_CONFIG, "vocab_size": vocab_size}
+    torch.manual_seed(0)
+    network = config_from_hf(raw).build()
+    # Every weight random, LayerNorms included, as tests/helpers.py makes its checkpoints.
+    state = {key: torch.randn_like(value) * 0.5 for key, value in network.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(raw))
+    (folder / "modules.json").write_text(json.dumps(MODULES))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": DIMENSION, "pooling_mode_mean_tokens": True}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return folder
+
+
+class Pinned(Server):
+    """bench.wrk.Server's waiting and stopping, for any command on a given port: Server's own
+    start runs `python -m app` on a port it picks, with nothing before it (no taskset)."""
+
+    def __init__(self, command: Sequence[str], port: int) -> None:
+        self.port = port
+        self.workers = 1
+        self.url = f"http://127.0.0.1:{port}"
+        self.process = subprocess.Popen(list(command), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def pinning() -> list[str]:
+    """taskset to a core other than wrk's, whose children (the whole tree) inherit it; none
+    if this machine lends only one core."""
+    others = sorted(os.sched_getaffinity(0) - {int(WRK_CORE)})
+    if not others:
+        print("note: only one CPU: the server and the floor are not pinned, and share it with wrk")
+        return []
+    return ["taskset", "-c", str(others[0])]
+
+
+@dataclass(frozen=True)
+class Proc:
+    ppid: int
+    name: str  # as /proc/PID/comm shows it
+    cpu_seconds: float  # utime + stime, over all its threads
+
+
+def processes() -> dict[int, Proc]:
+    """Every process on the machine, from /proc/PID/stat (fields 4, 2, 14 and 15)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited meanwhile
+            continue
+        head, _, tail = text.rpartition(")")  # the name may hold spaces and parentheses
+        fields = tail.split()
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        found[int(stat.parent.name)] = Proc(int(fields[1]), head.partition("(")[2], cpu)
+    return found
+
+
+def tree(root: int) -> dict[int, Proc]:
+    """`root` and all its descendants, by their parent links."""
+    everyone = processes()
+    children: dict[int, list[int]] = {}
+    for pid, proc in everyone.items():
+        children.setdefault(proc.ppid, []).append(pid)
+    found, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        if pid in everyone:
+            found[pid] = everyone[pid]
+            frontier += children.get(pid, [])
+    return found
+
+
+def cpu_delta(before: dict[int, Proc], after: dict[int, Proc], pids: Sequence[int]) -> float:
+    """CPU seconds `pids` used in between; one started in between counts from zero (one that
+    exited is lost: its time went to its parent's cutime only if reaped)."""
+    return sum(
+        after[pid].cpu_seconds - (before[pid].cpu_seconds if pid in before else 0.0) for pid in pids
+    )
+
+
+def metric_sums(url: str) -> dict[str, float]:
+    """The forward passes' seconds and the inputs embedded, summed over any label sets."""
+    sums = dict.fromkeys((FORWARD_SECONDS, INPUTS), 0.0)
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        series, _, value = line.rpartition(" ")
+        name = series.partition("{")[0]
+        if name in sums:
+            sums[name] += float(value)
+    return sums
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The embed-engine processes' CPU over a run, and the forward passes' share of it."""
+
+    processes: int
+    cpu_seconds: float
+    forward_seconds: float  # with --threads 1, a pass's duration is its CPU time
+    inputs: float
+
+    @property
+    def us_per_input(self) -> float:
+        return (self.cpu_seconds - self.forward_seconds) / max(self.inputs, 1) * 1e6
+
+
+@dataclass(frozen=True)
+class Round:
+    wrk: WrkResult
+    cpu_seconds: float  # the whole process tree's
+    engine: Engine | None
+
+    @property
+    def us_per_request(self) -> float:
+        return self.cpu_seconds / max(self.wrk.requests, 1) * 1e6
+
+    def figures(self) -> dict[str, Any]:
+        engine = self.engine and {**asdict(self.engine), "us_per_input": self.engine.us_per_input}
+        return {
+            "requests_per_s": self.wrk.rate,
+            "cpu_us_per_request": self.us_per_request,
+            "cpu_seconds": self.cpu_seconds,
+            "wrk": asdict(self.wrk),
+            "engine": engine,
+        }
+
+
+def load(url: str, bodies: Sequence[str], seconds: float) -> WrkResult:
+    return run_wrk(
+        url, bodies, connections=CONNECTIONS, seconds=seconds, vectors=1, dimension=DIMENSION
+    )
+
+
+def measure(target: Pinned, bodies: Sequence[str], seconds: float, server: bool) -> Round:
+    load(target.url, bodies, WARM_UP_SECONDS)  # a fresh process's first seconds are slower
+    # /metrics is read outside the CPU readings, so that its own requests do not count.
+    metrics = metric_sums(target.url) if server else {}
+    before = tree(target.process.pid)
+    result = load(target.url, bodies, seconds)
+    after = tree(target.process.pid)
+    engine = None
+    engines = [pid for pid, proc in after.items() if proc.name == ENGINE_NAME]
+    if server and engines:
+        metrics_after = metric_sums(target.url)
+        engine = Engine(
+            len(engines),
+            cpu_delta(before, after, engines),
+            metrics_after[FORWARD_SECONDS] - metrics[FORWARD_SECONDS],
+            metrics_after[INPUTS] - metrics[INPUTS],
+        )
+    return Round(result, cpu_delta(before, after, list(after)), engine)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    command: list[str]
+    port: int
+    server: bool  # the floor has no /metrics
+
+
+def run_round(target: Target, bodies: Sequence[str], seconds: float) -> Round:
+    """A fresh process: this machine's speed drifts, and one process's speed is a draw."""
+    process = Pinned(target.command, target.port)
+    try:
+        process.wait_ready()
+        return measure(process, bodies, seconds, target.server)
+    finally:
+        process.stop()
+
+
+def targets(model: Path, port: int, extra: Sequence[str]) -> list[Target]:
+    """The floor and the server, each under taskset, on the same port in turn."""
+    pin = pinning()
+    floor = [sys.executable, "-m", "bench.floor_app", "--tokenizer", str(model / "tokenizer.json")]
+    server = [sys.executable, "-m", "app", "--model-id", str(model), "--devices", "cpu"]
+    server += ["--dtype", "float32", "--threads", "1", "--host", "127.0.0.1"]
+    server += ["--log-level", "warning"]
+    return [
+        Target("floor", [*pin, *floor, "--port", str(port)], port, server=False),
+        Target("server", [*pin, *server, "--port", str(port), *extra], port, server=True),
+    ]
+
+
+def describe(name: str, best: Round, rounds: Sequence[Round]) -> None:
+    errors = sum(r.wrk.bad + r.wrk.socket_errors for r in rounds)
+    print(
+        f"{name:6} {best.wrk.rate:7.0f} req/s, {best.us_per_request:6.1f} µs of CPU per request "
+        f"(best of {len(rounds)}; p50 {best.wrk.p50_ms:.1f} ms; errors {errors})"
+    )
+    first_bad = next((r.wrk.first_bad for r in rounds if r.wrk.first_bad), "")
+    if first_bad:
+        print(f"       first bad answer: {first_bad}")
+
+
+def describe_engine(engine: Engine | None) -> None:
+    if engine is None:
+        print("the engine runs inside the front end (in-process placement): no engine figure")
+        return
+    print(f"engine CPU per input outside forward passes: {engine.us_per_input:.1f} µs")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--port", type=int, help="the floor's and the server's, in turn")
+    parser.add_argument("server", nargs="*", help="after --, flags for the server")
+    args = parser.parse_args()
+    if shutil.which("wrk") is None:  # before the model is made
+        raise SystemExit("wrk is not installed (apt-get install wrk)")
+    bodies = [orjson.dumps({"inputs": text}).decode() for text in short_sentences(4096, seed=5)]
+    with tempfile.TemporaryDirectory() as folder:
+        model = make_tiny_model(Path(folder) / "tiny")
+        both = targets(model, args.port or free_port(), args.server)
+        rounds: dict[str, list[Round]] = {target.name: [] for target in both}
+        for _ in range(args.rounds):  # alternating, so that drift hits both alike
+            for target in both:
+                rounds[target.name].append(run_round(target, bodies, args.seconds))
+    report(rounds, both, args)
+
+
+def report(rounds: dict[str, list[Round]], both: list[Target], args: argparse.Namespace) -> None:
+    best = {name: min(runs, key=lambda r: r.us_per_request) for name, runs in rounds.items()}
+    for name, runs in rounds.items():
+        describe(name, best[name], runs)
+    ratio = best["server"].us_per_request / best["floor"].us_per_request
+    print(f"server/floor CPU per request: {ratio:.2f}x")
+    describe_engine(best["server"].engine)
+    figures: dict[str, Any] = {
+        "seconds": args.seconds,
+        "connections": CONNECTIONS,
+        "server_flags": args.server,
+        "server_over_floor": ratio,
+    }
+    for target in both:
+        figures[target.name] = {
+            "command": target.command,
+            "best": best[target.name].figures(),
+            "rounds": [r.figures() for r in rounds[target.name]],
+        }
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(figures, indent=2))
+    print(f"written to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
