@@ -170,9 +170,9 @@ class EmbeddingService:
 
     @property
     def broken(self) -> bool:
-        """The worker died after warm-up: the process can no longer serve, only a restart
-        helps (liveness fails)."""
-        return self.warmed_up and not self.worker_alive and not self.stopping
+        """The engine died after warm-up: only a restart helps (liveness fails), also while
+        the process drains on its way out."""
+        return self.warmed_up and not self.worker_alive
 
     def not_ready_reason(self) -> str:
         if self.stopping:

@@ -32,7 +32,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, tmp_path: Path, *flags: str) -> None:
+    def __init__(
+        self, tmp_path: Path, *flags: str, devices: str = "cpu", threads: str = "2"
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / f"server-{self.port}.log"
@@ -45,9 +47,9 @@ class ServerProcess:
             "--port",
             str(self.port),
             "--devices",
-            "cpu",
+            devices,
             "--threads",
-            "2",
+            threads,
             *flags,
         ]
         with self.log.open("w") as log:
