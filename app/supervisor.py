@@ -177,7 +177,7 @@ class Supervisor:
         for index, device in enumerate(self.settings.devices):
             receiving, sending = self.context.Pipe(duplex=False)
             process = self.context.Process(
-                target=_run_engine,
+                target=run_engine,
                 args=(self.settings, index, device, self.shared, sending),
                 name=f"engine-{index}",
             )
@@ -202,7 +202,7 @@ class Supervisor:
     def _start_frontends(self, card: ModelCard) -> None:
         for index in range(self.settings.frontend_count()):
             process = self.context.Process(
-                target=_run_frontend,
+                target=run_frontend,
                 args=(self.settings, card, index, self.shared),
                 name=f"frontend-{index}",
             )
@@ -302,7 +302,7 @@ def _child(settings: Settings, name: str) -> None:
     log.info("%s started (pid %d)", name, os.getpid())
 
 
-def _run_engine(
+def run_engine(
     settings: Settings, index: int, device: str, shared: Shared, ready: Connection
 ) -> None:
     _child(settings, "embed-engine")
@@ -317,7 +317,7 @@ def _run_engine(
     raise SystemExit(engine.run(ready))
 
 
-def _run_frontend(settings: Settings, card: ModelCard, index: int, shared: Shared) -> None:
+def run_frontend(settings: Settings, card: ModelCard, index: int, shared: Shared) -> None:
     _child(settings, "embed-frontend")
     from app.engine.protocol import Admission
     from app.engine.remote import RemoteEngine

@@ -1,20 +1,27 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import multiprocessing
+import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
 from fastapi import FastAPI
 
 from app.engine.local import LocalEngine
+from app.engine.protocol import Admission
+from app.engine.remote import RemoteEngine
+from app.engine.state import EngineBoard
 from app.main import create_app
 from app.service import EmbeddingService
 from app.settings import Settings
+from app.supervisor import Shared, run_engine
 from model import BatchOutput, Encoded
 
 
@@ -33,10 +40,60 @@ def make_settings(checkpoint: Path, **overrides: Any) -> Settings:
     return Settings(**(values | overrides))
 
 
+Placement = Literal["in-process", "split"]
+
+
+@pytest.fixture(params=["in-process", "split"])
+def placement(request: pytest.FixtureRequest) -> Placement:
+    """Run a test against both placements of the engine."""
+    chosen: Placement = request.param
+    return chosen
+
+
+@contextmanager
+def engine_process(settings: Settings) -> Iterator[RemoteEngine]:
+    """An engine in a process of its own, as the supervisor starts one, and a front end's
+    client for it. (Its metrics stay in its own process: the test's registry is not shared.)"""
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="embed-test-") as folder:
+        run_dir = Path(folder)
+        shared = Shared(
+            run_dir, run_dir / "board", 1, None, None, context.RawArray(ctypes.c_int, 1)
+        )
+        board = EngineBoard.create(shared.board_path, 1)
+        receiving, sending = context.Pipe(duplex=False)
+        process = context.Process(
+            target=run_engine, args=(settings, 0, settings.devices[0], shared, sending)
+        )
+        process.start()
+        sending.close()
+        try:
+            kind, card = receiving.recv()
+            assert kind == "ready", card
+            admission = Admission(settings.request_timeout, settings.max_queue_wait)
+            yield RemoteEngine(card, 0, run_dir, board, admission)
+        finally:
+            process.terminate()
+            process.join(30)
+
+
 @asynccontextmanager
-async def running_app(settings: Settings) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    """The app with its lifespan running, and a client; yields once /health says ready."""
-    app = create_app(settings)
+async def running_app(
+    settings: Settings, placement: Placement = "in-process"
+) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    """The app with its lifespan running, and a client; yields once /health says ready. The
+    engine runs in this process, or in one of its own (`placement`)."""
+    if placement == "in-process":
+        async with _serving(create_app(settings)) as running:
+            yield running
+        return
+    with engine_process(settings) as engine:
+        async with _serving(create_app(settings, engine)) as running:
+            yield running
+
+
+@asynccontextmanager
+async def _serving(app: FastAPI) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from starlette.types import Message, Scope
 
-from tests.app.conftest import GatedForward, make_settings, running_app, service_of
+from tests.app.conftest import GatedForward, Placement, make_settings, running_app, service_of
 from tests.helpers import TINY_VOCAB
 
 pytestmark = pytest.mark.anyio
@@ -213,36 +213,27 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("name", "method", "path", "kwargs", "status", "error_type"),
-    CASES,
-    ids=[case[0] for case in CASES],
-)
 async def test_bad_input_gets_its_status_and_shape(
-    tiny_checkpoint: Path,
-    name: str,
-    method: str,
-    path: str,
-    kwargs: dict[str, Any],
-    status: int,
-    error_type: str,
+    placement: Placement, tiny_checkpoint: Path
 ) -> None:
-    async with running_app(make_settings(tiny_checkpoint, **LIMITS)) as (_, client):
-        response = await client.request(method, path, **kwargs)
-        assert response.status_code == status, response.text
-        body = response.json()
-        if path.startswith("/v1/"):
-            assert set(body) == {"error"}
-            assert set(body["error"]) == {"message", "type", "param", "code"}
-            assert body["error"]["code"] == error_type
-            assert body["error"]["type"] == "invalid_request_error"
-        else:
-            assert set(body) == {"error", "error_type"}
-            assert body["error_type"] == error_type
-        assert "Traceback" not in response.text
-        # The service keeps serving afterwards.
-        assert (await client.post("/embed", json={"inputs": "hello"})).status_code == 200
-        assert (await client.get("/health")).status_code == 200
+    """Every case in one server, one after another: each gets its own answer, and the
+    service keeps serving after each."""
+    async with running_app(make_settings(tiny_checkpoint, **LIMITS), placement) as (_, client):
+        for name, method, path, kwargs, status, error_type in CASES:
+            response = await client.request(method, path, **kwargs)
+            assert response.status_code == status, (name, response.text)
+            body = response.json()
+            if path.startswith("/v1/"):
+                assert set(body) == {"error"}, name
+                assert set(body["error"]) == {"message", "type", "param", "code"}, name
+                assert body["error"]["code"] == error_type, name
+                assert body["error"]["type"] == "invalid_request_error", name
+            else:
+                assert set(body) == {"error", "error_type"}, name
+                assert body["error_type"] == error_type, name
+            assert "Traceback" not in response.text, name
+            assert (await client.post("/embed", json={"inputs": "hello"})).status_code == 200
+            assert (await client.get("/health")).status_code == 200
 
 
 async def test_json_media_types_are_read_as_fastapi_reads_them(tiny_checkpoint: Path) -> None:
@@ -264,8 +255,10 @@ async def test_json_media_types_are_read_as_fastapi_reads_them(tiny_checkpoint: 
     }
 
 
-async def test_errors_name_the_limit_and_the_size(tiny_checkpoint: Path) -> None:
-    async with running_app(make_settings(tiny_checkpoint, **LIMITS)) as (_, client):
+async def test_errors_name_the_limit_and_the_size(
+    placement: Placement, tiny_checkpoint: Path
+) -> None:
+    async with running_app(make_settings(tiny_checkpoint, **LIMITS), placement) as (_, client):
         attention = await client.post("/encode", json={"inputs": LONG, "attention": {}})
         many = await client.post("/embed", json={"inputs": ["a"] * 9})
         wrong = await client.post("/embed", json={"inputs": [1.5]})
@@ -283,7 +276,10 @@ async def test_api_key_is_required_on_inference_and_info(
     tiny_checkpoint: Path, header: str | None
 ) -> None:
     headers = {"authorization": header} if header else {}
-    async with running_app(make_settings(tiny_checkpoint, api_key="s3cret")) as (_, client):
+    async with running_app(make_settings(tiny_checkpoint, api_key="s3cret")) as (
+        _,
+        client,
+    ):
         for path, body in (
             ("/embed", {"inputs": "a"}),
             ("/encode", {"inputs": "a"}),
@@ -397,12 +393,14 @@ async def test_a_body_that_is_not_utf8_is_malformed(
     assert message == "the body is not UTF-8, as JSON must be"
 
 
-async def test_post_root_answers_a_lone_surrogate_as_embed_does(tiny_checkpoint: Path) -> None:
+async def test_post_root_answers_a_lone_surrogate_as_embed_does(
+    placement: Placement, tiny_checkpoint: Path
+) -> None:
     """`"\\ud800"` is valid JSON but not text: /embed says so with a 422, and so does POST /,
     whose own parser (pydantic's) refuses it as JSON."""
     body = b'{"inputs": "\\ud800"}'
     headers = {"content-type": "application/json"}
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         embed = await client.post("/embed", content=body, headers=headers)
         root = await client.post("/", content=body, headers=headers)
         broken = await client.post("/", content=b'{"inputs": ', headers=headers)

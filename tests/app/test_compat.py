@@ -8,15 +8,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.app.conftest import make_settings, running_app
+from tests.app.conftest import Placement, make_settings, running_app
 from tests.helpers import TINY_VOCAB
 
 pytestmark = pytest.mark.anyio
 TEXTS = ["hello world", "the quick brown fox", "lazy dog"]
 
 
-async def test_post_root_is_embed_or_similarity_by_body_shape(tiny_checkpoint: Path) -> None:
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+async def test_post_root_is_embed_or_similarity_by_body_shape(
+    placement: Placement, tiny_checkpoint: Path
+) -> None:
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         embed = (await client.post("/embed", json={"inputs": TEXTS})).json()
         root = await client.post("/", json={"inputs": TEXTS, "normalize": True})
         pair = {"inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]}}
@@ -39,14 +41,16 @@ async def test_post_root_is_embed_or_similarity_by_body_shape(tiny_checkpoint: P
     assert home.status_code == 200 and home.headers["content-type"].startswith("text/html")
 
 
-async def test_similarity_follows_the_models_similarity_function(tiny_checkpoint: Path) -> None:
+async def test_similarity_follows_the_models_similarity_function(
+    placement: Placement, tiny_checkpoint: Path
+) -> None:
     (tiny_checkpoint / "config_sentence_transformers.json").write_text(
         json.dumps({"similarity_fn_name": "dot"})
     )
     # modules.json of the tiny checkpoint normalises; without it, dot is not cosine.
     modules = json.loads((tiny_checkpoint / "modules.json").read_text())
     (tiny_checkpoint / "modules.json").write_text(json.dumps(modules[:2]))
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         raw = np.array(
             (await client.post("/embed", json={"inputs": TEXTS, "normalize": False})).json()
         )
@@ -57,8 +61,8 @@ async def test_similarity_follows_the_models_similarity_function(tiny_checkpoint
     assert np.allclose(scores, raw[1:] @ raw[0], rtol=1e-5)
 
 
-async def test_openai_aliases_and_model_list(tiny_checkpoint: Path) -> None:
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+async def test_openai_aliases_and_model_list(placement: Placement, tiny_checkpoint: Path) -> None:
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         v1 = (await client.post("/v1/embeddings", json={"input": TEXTS})).json()
         alias = (await client.post("/embeddings", json={"input": TEXTS})).json()
         models = (await client.get("/v1/models")).json()
@@ -71,9 +75,11 @@ async def test_openai_aliases_and_model_list(tiny_checkpoint: Path) -> None:
     assert "check_embedding_ctx_length=False" in out_of_vocabulary.json()["error"]["message"]
 
 
-async def test_decode_ping_info_and_timing_headers(tiny_checkpoint: Path) -> None:
+async def test_decode_ping_info_and_timing_headers(
+    placement: Placement, tiny_checkpoint: Path
+) -> None:
     hello, world = TINY_VOCAB.index("hello"), TINY_VOCAB.index("world")
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         one = await client.post("/decode", json={"ids": [2, hello, world, 3]})
         many = await client.post(
             "/decode", json={"ids": [[2, hello, 3], [world]], "skip_special_tokens": False}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model import Embedder
-from tests.app.conftest import make_settings, running_app
+from tests.app.conftest import Placement, make_settings, running_app
 from tests.helpers import TINY_VOCAB, tiny_tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -36,8 +36,10 @@ def text_ids(text: str) -> list[int]:
     return tiny_tokenizer().encode(text, add_special_tokens=False).ids
 
 
-async def test_tokenize_slices_the_prompted_text(prompted_checkpoint: Path) -> None:
-    async with running_app(make_settings(prompted_checkpoint)) as (_, client):
+async def test_tokenize_slices_the_prompted_text(
+    placement: Placement, prompted_checkpoint: Path
+) -> None:
+    async with running_app(make_settings(prompted_checkpoint), placement) as (_, client):
         response = await client.post(
             "/tokenize", json={"inputs": "Fox jumps", "prompt_name": "query"}
         )
@@ -61,9 +63,11 @@ def test_left_truncation_keeps_the_prompt(embedder: Embedder) -> None:
     assert plain.ids == [CLS, *text_ids(LONG)[-(limit - 2) :], SEP]
 
 
-async def test_left_truncation_keeps_the_prompt_over_http(prompted_checkpoint: Path) -> None:
+async def test_left_truncation_keeps_the_prompt_over_http(
+    placement: Placement, prompted_checkpoint: Path
+) -> None:
     body = {"inputs": LONG, "prompt_name": "query", "truncation_direction": "left"}
-    async with running_app(make_settings(prompted_checkpoint)) as (_, client):
+    async with running_app(make_settings(prompted_checkpoint), placement) as (_, client):
         [tokens] = (await client.post("/tokenize", json=body)).json()
     assert [t["text"] for t in tokens[:3]] == ["[CLS]", "the", "quick"]
     assert [t["text"] for t in tokens[-3:]] == ["lazy", "dog", "[SEP]"]

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from model import AttentionSpec, Embedder, finish
-from tests.app.conftest import make_settings, running_app
+from tests.app.conftest import Placement, make_settings, running_app
 from tests.helpers import TINY_VOCAB
 
 pytestmark = pytest.mark.anyio
@@ -24,8 +24,10 @@ def reference(
     return finish(pooled.numpy(), normalize, dimensions)
 
 
-async def test_embed_matches_the_model(tiny_checkpoint: Path, tiny_embedder: Embedder) -> None:
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+async def test_embed_matches_the_model(
+    placement: Placement, tiny_checkpoint: Path, tiny_embedder: Embedder
+) -> None:
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         response = await client.post("/embed", json={"inputs": TEXTS})
         single = await client.post("/embed", json={"inputs": "hello world"})
         raw = await client.post(
@@ -53,9 +55,9 @@ async def test_embed_matches_the_model(tiny_checkpoint: Path, tiny_embedder: Emb
     )
 
 
-async def test_embed_takes_token_ids(tiny_checkpoint: Path) -> None:
+async def test_embed_takes_token_ids(placement: Placement, tiny_checkpoint: Path) -> None:
     ids = [2, TINY_VOCAB.index("hello"), TINY_VOCAB.index("world"), 3]
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         by_text = (await client.post("/embed", json={"inputs": "hello world"})).json()
         by_ids = (await client.post("/embed", json={"inputs": ids})).json()
         mixed = (await client.post("/embed", json={"inputs": ["hello world", ids]})).json()
@@ -64,9 +66,9 @@ async def test_embed_takes_token_ids(tiny_checkpoint: Path) -> None:
 
 
 async def test_embed_all_returns_per_token_vectors(
-    tiny_checkpoint: Path, tiny_embedder: Embedder
+    placement: Placement, tiny_checkpoint: Path, tiny_embedder: Embedder
 ) -> None:
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         response = await client.post("/embed_all", json={"inputs": TEXTS})
     assert response.status_code == 200
     body = response.json()
@@ -79,8 +81,8 @@ async def test_embed_all_returns_per_token_vectors(
         assert np.abs(np.array(got) - want.numpy()).max() <= 1e-5
 
 
-async def test_tokenize_has_tei_shape(tiny_checkpoint: Path) -> None:
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+async def test_tokenize_has_tei_shape(placement: Placement, tiny_checkpoint: Path) -> None:
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         response = await client.post("/tokenize", json={"inputs": "Hello, world"})
         plain = await client.post(
             "/tokenize", json={"inputs": ["Hello"], "add_special_tokens": False}
@@ -99,8 +101,8 @@ async def test_tokenize_has_tei_shape(tiny_checkpoint: Path) -> None:
     assert [t["text"] for t in plain.json()[0]] == ["Hello"]
 
 
-async def test_openai_shape_float_and_base64(tiny_checkpoint: Path) -> None:
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+async def test_openai_shape_float_and_base64(placement: Placement, tiny_checkpoint: Path) -> None:
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         floats = await client.post("/v1/embeddings", json={"input": TEXTS, "model": "any"})
         packed = await client.post(
             "/v1/embeddings",
@@ -125,8 +127,13 @@ async def test_openai_shape_float_and_base64(tiny_checkpoint: Path) -> None:
         assert np.abs(vector - cut).max() <= 1e-5
 
 
-async def test_the_openai_client_works_unchanged(tiny_checkpoint: Path) -> None:
-    async with running_app(make_settings(tiny_checkpoint, api_key="s3cret")) as (_, client):
+async def test_the_openai_client_works_unchanged(
+    placement: Placement, tiny_checkpoint: Path
+) -> None:
+    async with running_app(make_settings(tiny_checkpoint, api_key="s3cret"), placement) as (
+        _,
+        client,
+    ):
         api = openai.AsyncOpenAI(api_key="s3cret", base_url="http://test/v1", http_client=client)
         result = await api.embeddings.create(input=TEXTS, model="tiny")  # base64 by default
         cut = await api.embeddings.create(
@@ -144,7 +151,7 @@ async def test_the_openai_client_works_unchanged(tiny_checkpoint: Path) -> None:
 
 
 async def test_encode_returns_everything_asked_for(
-    tiny_checkpoint: Path, tiny_embedder: Embedder
+    placement: Placement, tiny_checkpoint: Path, tiny_embedder: Embedder
 ) -> None:
     request = {
         "inputs": ["hello world", [2, 40, 3]],
@@ -152,7 +159,7 @@ async def test_encode_returns_everything_asked_for(
         "attention": {"layers": [-1], "heads": [0, 2]},
         "dimensions": 4,
     }
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         response = await client.post("/encode", json=request)
         mean = await client.post(
             "/encode",
@@ -241,9 +248,11 @@ async def test_operations_routes(tiny_checkpoint: Path) -> None:
         )
 
 
-async def test_truncation_follows_request_and_server_default(tiny_checkpoint: Path) -> None:
+async def test_truncation_follows_request_and_server_default(
+    placement: Placement, tiny_checkpoint: Path
+) -> None:
     long_text = " ".join(["hello world"] * 40)
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         cut = await client.post(
             "/encode", json={"inputs": long_text, "truncation_direction": "Left"}
         )
@@ -253,17 +262,22 @@ async def test_truncation_follows_request_and_server_default(tiny_checkpoint: Pa
     assert len(cut.json()["data"][0]["tokens"]) == 48
     assert refused.status_code == 422
     assert "82 tokens" in refused.json()["error"] and "48" in refused.json()["error"]
-    async with running_app(make_settings(tiny_checkpoint, auto_truncate=False)) as (_, client):
+    async with running_app(make_settings(tiny_checkpoint, auto_truncate=False), placement) as (
+        _,
+        client,
+    ):
         assert (await client.post("/embed", json={"inputs": long_text})).status_code == 422
 
 
-async def test_prompt_name_prepends_the_models_prompt(tiny_checkpoint: Path) -> None:
+async def test_prompt_name_prepends_the_models_prompt(
+    placement: Placement, tiny_checkpoint: Path
+) -> None:
     import json
 
     (tiny_checkpoint / "config_sentence_transformers.json").write_text(
         json.dumps({"prompts": {"query": "the "}})
     )
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         prompted = (
             await client.post("/embed", json={"inputs": "fox", "prompt_name": "query"})
         ).json()

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from model.heads import Splade
-from tests.app.conftest import make_settings, running_app
+from tests.app.conftest import Placement, make_settings, running_app
 from tests.task_checkpoints import labelled, save_task_model, write_splade_folder
 
 pytestmark = pytest.mark.anyio
@@ -52,11 +52,12 @@ def classifier(tmp_path: Path) -> tuple[Path, transformers.PreTrainedModel]:
 
 
 async def test_rerank_sorts_by_sigmoid_score(
+    placement: Placement,
     reranker: tuple[Path, transformers.PreTrainedModel],
 ) -> None:
     folder, model = reranker
     want = reference_logits(model, [(QUERY, text) for text in TEXTS])[:, 0]
-    async with running_app(make_settings(folder)) as (_, client):
+    async with running_app(make_settings(folder), placement) as (_, client):
         body = {"query": QUERY, "texts": TEXTS}
         ranked = await client.post("/rerank", json=body | {"return_text": True})
         raw = (await client.post("/rerank", json=body | {"raw_scores": True})).json()
@@ -78,11 +79,12 @@ async def test_rerank_sorts_by_sigmoid_score(
 
 
 async def test_predict_takes_texts_pairs_and_batches(
+    placement: Placement,
     classifier: tuple[Path, transformers.PreTrainedModel],
 ) -> None:
     folder, model = classifier
     labels = ["contradiction", "entailment", "neutral"]
-    async with running_app(make_settings(folder)) as (_, client):
+    async with running_app(make_settings(folder), placement) as (_, client):
         single = (await client.post("/predict", json={"inputs": "hello world"})).json()
         pair = (await client.post("/predict", json={"inputs": [QUERY, TEXTS[0]]})).json()
         batch = await client.post(
@@ -107,7 +109,7 @@ async def test_predict_takes_texts_pairs_and_batches(
     assert rerank.status_code == 424 and "use /predict" in rerank.json()["error"]
 
 
-async def test_embed_sparse_gives_the_splade_weights(tmp_path: Path) -> None:
+async def test_embed_sparse_gives_the_splade_weights(placement: Placement, tmp_path: Path) -> None:
     folder = tmp_path / "splade"
     model = save_task_model(folder, transformers.BertForMaskedLM, "bert")
     write_splade_folder(folder, Splade())
@@ -117,7 +119,7 @@ async def test_embed_sparse_gives_the_splade_weights(tmp_path: Path) -> None:
         logits = model(**batch).logits
     weights = torch.log1p(torch.relu(logits)) * batch["attention_mask"].unsqueeze(-1)
     want = weights.max(dim=1).values.numpy()
-    async with running_app(make_settings(folder)) as (_, client):
+    async with running_app(make_settings(folder), placement) as (_, client):
         sparse = await client.post("/embed_sparse", json={"inputs": TEXTS})
         root = (await client.post("/", json={"inputs": TEXTS})).json()
         info = (await client.get("/info")).json()
@@ -134,9 +136,9 @@ async def test_embed_sparse_gives_the_splade_weights(tmp_path: Path) -> None:
 
 
 async def test_task_routes_on_an_embedding_model_and_bad_inputs(
-    tiny_checkpoint: Path, reranker: tuple[Path, transformers.PreTrainedModel]
+    placement: Placement, tiny_checkpoint: Path, reranker: tuple[Path, transformers.PreTrainedModel]
 ) -> None:
-    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+    async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         for path, body in (
             ("/rerank", {"query": "a", "texts": ["b"]}),
             ("/predict", {"inputs": "a"}),
@@ -146,7 +148,10 @@ async def test_task_routes_on_an_embedding_model_and_bad_inputs(
             assert response.status_code == 424, path
             assert "the loaded model is an embedding model" in response.json()["error"]
     folder, _ = reranker
-    async with running_app(make_settings(folder, max_inputs_per_request=2)) as (_, client):
+    async with running_app(make_settings(folder, max_inputs_per_request=2), placement) as (
+        _,
+        client,
+    ):
         empty = await client.post("/rerank", json={"query": "a", "texts": []})
         blank = await client.post("/rerank", json={"query": "", "texts": ["b"]})
         many = await client.post("/rerank", json={"query": "a", "texts": ["b", "c", "d"]})

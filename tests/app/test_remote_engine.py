@@ -1,0 +1,85 @@
+"""The engine in a process of its own, reached over ZeroMQ from this process's app: what the
+protocol adds to the in-process tests (aborts, deadlines and the fast 429 across processes,
+outputs crossing as buffers)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi import FastAPI
+
+from app.engine.remote import RemoteEngine
+from tests.app.conftest import make_settings, running_app, service_of, wait_until
+
+pytestmark = pytest.mark.anyio
+MANY = ["the quick brown fox jumps over the lazy dog"] * 2000
+
+
+def remote(app: FastAPI) -> RemoteEngine:
+    engine = service_of(app).engine
+    assert isinstance(engine, RemoteEngine)
+    return engine
+
+
+async def test_batches_across_processes_give_each_input_its_own_vector(
+    tiny_checkpoint: Path,
+) -> None:
+    texts = ["hello", "the quick brown fox", "jumps over the lazy dog " * 3, "world"]
+    async with running_app(make_settings(tiny_checkpoint), "split") as (_, client):
+        alone = [(await client.post("/embed", json={"inputs": t})).json()[0] for t in texts]
+        together = await asyncio.gather(
+            *(client.post("/embed", json={"inputs": t}) for t in texts * 4)
+        )
+    for index, response in enumerate(together):
+        assert response.status_code == 200
+        got = np.array(response.json()[0])
+        assert np.abs(got - np.array(alone[index % len(texts)])).max() < 1e-5
+
+
+async def test_a_client_that_leaves_takes_its_inputs_out_of_the_engines_queue(
+    tiny_checkpoint: Path,
+) -> None:
+    settings = make_settings(tiny_checkpoint, max_batch_inputs=1)
+    async with running_app(settings, "split") as (app, client):
+        engine = remote(app)
+        request = asyncio.create_task(client.post("/embed", json={"inputs": MANY}))
+        await wait_until(lambda: engine.board.backlog(0)[0] > 0)
+        request.cancel()  # the client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        started = time.monotonic()
+        await wait_until(lambda: engine.board.backlog(0)[0] == 0)
+        assert time.monotonic() - started < 2  # dropped, not run: 2,000 passes take longer
+        assert engine.pending == {}
+        assert (await client.post("/embed", json={"inputs": "next"})).status_code == 200
+
+
+async def test_a_deadline_that_passes_removes_the_work(tiny_checkpoint: Path) -> None:
+    settings = make_settings(tiny_checkpoint, max_batch_inputs=1, request_timeout=0.5)
+    async with running_app(settings, "split") as (app, client):
+        engine = remote(app)
+        late = await client.post("/embed", json={"inputs": MANY})
+        assert late.status_code == 504
+        await wait_until(lambda: engine.board.backlog(0)[0] == 0, within=2)
+        assert (await client.post("/embed", json={"inputs": "next"})).status_code == 200
+
+
+async def test_an_overloaded_engine_is_refused_by_the_front_end_with_retry_after(
+    tiny_checkpoint: Path,
+) -> None:
+    settings = make_settings(tiny_checkpoint, max_batch_inputs=1, max_queue_wait=0.05)
+    async with running_app(settings, "split") as (app, client):
+        engine = remote(app)
+        busy = asyncio.create_task(client.post("/embed", json={"inputs": MANY}))
+        await wait_until(lambda: engine.board.seconds_ahead(0) > 0.05)
+        sent_before = len(engine.pending)
+        refused = await client.post("/embed", json={"inputs": "one more"})
+        assert refused.status_code == 429
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error_type"] == "Overloaded"
+        assert len(engine.pending) == sent_before  # refused before anything was sent
+        assert (await busy).status_code == 200
