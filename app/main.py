@@ -12,8 +12,8 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from app.balance import ConnectionBalance
+from app.dispatch import post_routes
 from app.engine.protocol import Engine
-from app.fastpath import FAST_ROUTES
 from app.handlers import install_handlers
 from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
@@ -111,11 +111,11 @@ def create_app(
         max_concurrent=settings.max_concurrent_requests,
         unlimited=UNLIMITED_PATHS,
         service=service,
-        fast_routes=FAST_ROUTES,
+        post_routes=post_routes(module.router for module in PROTECTED_ROUTERS),
         balance=balance,
     )
     if settings.cors_origins:
-        # Added last, so outermost: the fast path's answers and the errors the service
+        # Added last, so outermost: the POST routes' answers and the errors the service
         # middleware writes itself (401, 408, 413, 429) carry the CORS headers too.
         app.add_middleware(
             CORSMiddleware,

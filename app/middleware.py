@@ -21,17 +21,15 @@ from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.balance import ConnectionBalance
+from app.dispatch import PostRoute, dispatch, main_route
 from app.errors import (
     ClientDisconnectedError,
-    MalformedRequestError,
     OverloadedError,
     PayloadTooLargeError,
     ServiceError,
     SlowBodyError,
     UnauthorizedError,
-    is_json,
 )
-from app.fastpath import FastRoute, dispatch
 from app.handlers import render_error
 from app.metrics import Metrics
 from app.service import EmbeddingService
@@ -53,7 +51,7 @@ class ServiceMiddleware:
         max_concurrent: int,
         unlimited: Container[str],
         service: EmbeddingService,
-        fast_routes: Mapping[tuple[str, str], FastRoute],
+        post_routes: Mapping[str, PostRoute],
         balance: ConnectionBalance | None = None,
     ) -> None:
         self.app = app
@@ -69,7 +67,7 @@ class ServiceMiddleware:
         self.unlimited = unlimited
         self.active = 0
         self.service = service
-        self.fast_routes = fast_routes
+        self.post_routes = post_routes
         self.balance = balance
         # Unique per process start, then a counter: cheaper than a uuid4 per request.
         self._id_prefix = uuid.uuid4().hex[:12]
@@ -114,19 +112,19 @@ class ServiceMiddleware:
                 self._admit()
                 admitted = True
             self._check_key(scope["method"], path, headers)
-            if scope["method"] in ("POST", "PUT", "PATCH"):
+            if scope["method"] == "POST" and (path == "/" or path in self.post_routes):
                 raw, receive = await self._read_body(headers, receive)
-                fast = self.fast_routes.get((scope["method"], path))
+                post = (
+                    main_route(self.post_routes, self.service, raw)
+                    if path == "/"
+                    else self.post_routes[path]
+                )
                 content_type = headers.get(b"content-type", b"").decode("latin-1")
-                if fast is not None and is_json(content_type):
-                    response = await dispatch(fast, raw, self.service, receive)
-                    if response is not None:
-                        await response(scope, receive, send_with_id)
-                        return
-                if is_json(content_type):
-                    _check_utf8(raw)
+                response = await dispatch(path, post, raw, content_type, self.service, receive)
+                await response(scope, receive, send_with_id)
+                return
             await self.app(scope, receive, send_with_id)
-        except ServiceError as error:  # raised here (limits, the API key) or by a fast route
+        except ServiceError as error:  # raised here (limits, the API key, the body) or a route
             response = render_error(self.metrics, path, error, request_id)
             await response(scope, receive, send_with_id)
         except Exception:
@@ -207,12 +205,3 @@ class ServiceMiddleware:
         return PayloadTooLargeError(
             f"the body is over the payload limit of {self.payload_limit} bytes"
         )
-
-
-def _check_utf8(raw: bytes) -> None:
-    """JSON travels as UTF-8 (RFC 8259); the framework's parser would also take UTF-16 and
-    UTF-32. (The fast path's parser takes UTF-8 only: what it accepts never gets here.)"""
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise MalformedRequestError("the body is not UTF-8, as JSON must be") from exc

@@ -6,9 +6,11 @@ Responses are documented here but rendered by orjson straight from numpy arrays.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Sized
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -16,11 +18,17 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from app.params import AttentionQuery, EncodeOptions, RawInput, TextPair
-from model import Direction
+from app.parsing import EMPTY_INPUT, NOT_UNICODE
+from model.info import Task
+from model.tokenizer import Direction
 
 
 def _integral(value: object) -> object:
@@ -37,29 +45,89 @@ def bound(name: str) -> dict[str, str]:
     return {BOUND: name}
 
 
+Value = TypeVar("Value", bound=Sized)
+
+
+def _not_empty(value: Value) -> Value:
+    """An empty string or list where inputs go: a 400, as OpenAI and text-embeddings-inference
+    answer it, rather than a 422 (app/parsing.py). The schema says minLength/minItems 1."""
+    if len(value) == 0:
+        raise PydanticCustomError(EMPTY_INPUT, "an input is empty")
+    return value
+
+
+def expecting(what: str) -> WrapValidator:
+    """For a union field: pydantic reports one error per branch, none of which says what
+    would fit; this says it, unless an input is empty or not Unicode, which is said as such."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            errors = exc.errors()
+        if any(e["type"] == EMPTY_INPUT for e in errors):
+            raise PydanticCustomError(EMPTY_INPUT, "an input is empty")
+        for e in errors:
+            if e["type"] == NOT_UNICODE:
+                where = "".join(f"[{part}]" for part in e["loc"] if isinstance(part, int))
+                raise PydanticCustomError(NOT_UNICODE, "not valid Unicode", {"where": where})
+        raise PydanticCustomError("expected", "expected {what}", {"what": what})
+
+    return WrapValidator(validate)
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
 # Integers are strict (no "3" for 3, no true for 1) but take integral floats, as the schema
 # says. The bound comes before the validator: after it, pydantic writes "ge", not "minimum".
 LayerIndex = Annotated[
     StrictInt, Field(json_schema_extra=bound("layer")), BeforeValidator(_integral)
 ]
 HeadIndex = Annotated[StrictInt, Field(json_schema_extra=bound("head")), BeforeValidator(_integral)]
+
+
+def _unicode(text: str) -> str:
+    """A lone surrogate ("\\ud800" is valid JSON) is not text: pydantic's JSON parser refuses
+    it, but `json.loads`, which app/parsing.py falls back on to say so, takes it."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PydanticCustomError(NOT_UNICODE, "not valid Unicode") from None
+    return text
+
+
 # Empty strings and id lists are answered with 400 (Empty), as OpenAI does.
-Text = Annotated[StrictStr, Field(min_length=1, json_schema_extra=bound("input_chars"))]
+Text = Annotated[
+    StrictStr,
+    AfterValidator(_not_empty),
+    AfterValidator(_unicode),
+    Field(json_schema_extra={"minLength": 1, **bound("input_chars")}),
+]
 TokenId = Annotated[
     StrictInt, Field(ge=0, json_schema_extra=bound("token_id")), BeforeValidator(_integral)
 ]
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-Inputs = (
-    Text
-    | TokenIds
-    | Annotated[list[Text | TokenIds], Field(min_length=1, json_schema_extra=bound("inputs"))]
-)
+TokenIds = Annotated[
+    list[TokenId], AfterValidator(_not_empty), Field(json_schema_extra={"minItems": 1})
+]
 INPUTS_DESCRIPTION = (
     "A string, a list of token ids, or a list mixing strings and lists of token ids."
 )
 IDS_DESCRIPTION = (
     "One list of token ids (integers from 0), or a list of such lists; none of them empty."
 )
+Inputs = Annotated[
+    Text
+    | TokenIds
+    | Annotated[
+        list[Text | TokenIds],
+        AfterValidator(_not_empty),
+        Field(json_schema_extra={"minItems": 1, **bound("inputs")}),
+    ],
+    expecting(_lower_first(INPUTS_DESCRIPTION)),
+]
 Dimensions = Annotated[
     StrictInt, Field(ge=1, json_schema_extra=bound("dimensions")), BeforeValidator(_integral)
 ]
@@ -146,9 +214,11 @@ class TokenizeRequest(TruncatingRequest):
 
 class SimilarityInput(Request):
     source_sentence: Text = Field(description="The sentence the others are compared with.")
-    sentences: Annotated[list[Text], Field(min_length=1, json_schema_extra=bound("sentences"))] = (
-        Field(description="Sentences to compare with the source sentence.")
-    )
+    sentences: Annotated[
+        list[Text],
+        AfterValidator(_not_empty),
+        Field(json_schema_extra={"minItems": 1, **bound("sentences")}),
+    ] = Field(description="Sentences to compare with the source sentence.")
 
 
 class SimilarityParameters(Request):
@@ -175,10 +245,11 @@ class SimilarityRequest(Request):
 
 
 class DecodeRequest(Request):
-    ids: (
+    ids: Annotated[
         Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    ) = Field(description=IDS_DESCRIPTION)
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+        expecting(_lower_first(IDS_DESCRIPTION)),
+    ] = Field(description=IDS_DESCRIPTION)
     skip_special_tokens: StrictBool = Field(
         True, description="Leave [CLS], [SEP] and the like out."
     )
@@ -199,23 +270,27 @@ class SparseValue(BaseModel):
 
 
 # Cross-encoders ---------------------------------------------------------------------------
-SingleOrPair = Annotated[list[Text], Field(min_length=1, max_length=2)]
+SingleOrPair = Annotated[
+    list[Text], AfterValidator(_not_empty), Field(max_length=2, json_schema_extra={"minItems": 1})
+]
 
 
 # A batch holds at least one list ([text] or [text, text]); a flat list is one input.
 Batch = Annotated[
     list[Text | SingleOrPair],
-    Field(min_length=1, json_schema_extra={**bound("inputs"), "contains": {"type": "array"}}),
+    AfterValidator(_not_empty),
+    Field(json_schema_extra={"minItems": 1, **bound("inputs"), "contains": {"type": "array"}}),
 ]
+PREDICT_INPUTS_DESCRIPTION = (
+    "A text, a pair of texts [text, text], or a batch of texts and pairs: "
+    "[[text], [text, text], ...]."
+)
 
 
 class PredictRequest(Request):
-    inputs: Text | SingleOrPair | Batch = Field(
-        description=(
-            "A text, a pair of texts [text, text], or a batch of texts and pairs: "
-            "[[text], [text, text], ...]."
-        )
-    )
+    inputs: Annotated[
+        Text | SingleOrPair | Batch, expecting(_lower_first(PREDICT_INPUTS_DESCRIPTION))
+    ] = Field(description=PREDICT_INPUTS_DESCRIPTION)
     truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
     truncation_direction: TruncationDirection | None = Field(
         None, description=DIRECTION_DESCRIPTION
@@ -259,9 +334,11 @@ class Prediction(BaseModel):
 
 class RerankRequest(Request):
     query: Text = Field(description="What the texts are ranked against.")
-    texts: Annotated[list[Text], Field(min_length=1, json_schema_extra=bound("inputs"))] = Field(
-        description="Texts to rank."
-    )
+    texts: Annotated[
+        list[Text],
+        AfterValidator(_not_empty),
+        Field(json_schema_extra={"minItems": 1, **bound("inputs")}),
+    ] = Field(description="Texts to rank.")
     truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
     truncation_direction: TruncationDirection | None = Field(
         None, description=DIRECTION_DESCRIPTION
@@ -438,7 +515,7 @@ class Limits(BaseModel):
 
 class InfoResponse(BaseModel):
     model_id: str
-    task: Literal["embed", "classify", "sparse"] = Field(
+    task: Task = Field(
         description="What the model serves: /embed, /predict and /rerank, or /embed_sparse."
     )
     labels: list[str] = Field(description="A classifier's labels, in the order of its logits.")

@@ -24,7 +24,6 @@ from app.errors import (
     DeadlineError,
     UnavailableError,
     ValidationFailedError,
-    WrongTaskError,
 )
 from app.limits import Limits
 from app.metrics import Metrics
@@ -32,14 +31,12 @@ from app.params import EncodeOptions, RawInput
 from app.settings import Settings
 from app.tokenization import Input, Tokenization, characters
 from model.codec import TextCodec
-from model.info import AttentionSpec, ModelInfo, Task
+from model.info import AttentionSpec, ModelInfo
 from model.similarity import similarity
 from model.tokenizer import Encoded
 from model.vectors import FloatArray
 
 log = logging.getLogger(__name__)
-
-TASK_NAMES = {Task.EMBED: "an embedding", Task.CLASSIFY: "a classifier", Task.SPARSE: "a sparse"}
 
 # Makes a coroutine that completes when the client goes away.
 DisconnectWatch = Callable[[], Coroutine[Any, Any, None]]
@@ -79,7 +76,7 @@ class EncodeResult:
 
     def vectors(self) -> FloatArray:
         """(N, D) float32, C-contiguous: every input's finished pooled vector."""
-        rows = [item.embedding for item in self.items if item.embedding is not None]
+        rows = [item.vector for item in self.items if item.output is not None]
         # One vector (the most common request) needs no copy: it is a row of its batch's array.
         return rows[0][None] if len(rows) == 1 else np.stack(rows)
 
@@ -208,39 +205,19 @@ class EmbeddingService:
         texts = [prompt + item if isinstance(item, str) else item for item in inputs]
         return Tokenized(texts, encoded)
 
-    def check_task(self, task: Task) -> ModelInfo:
-        """424 when the loaded model does not do what a route needs."""
-        info = self.check_ready().info
-        _require_task(info, task)
-        return info
-
-    def check_reranker(self) -> ModelInfo:
-        """424 unless the loaded model is a classifier with one label, as /rerank needs."""
-        info = self.check_task(Task.CLASSIFY)
-        if len(info.labels) != 1:
-            raise WrongTaskError(
-                f"this route needs a reranker (a classifier with one label); the loaded model "
-                f"has {len(info.labels)} labels: use /predict"
-            )
-        return info
-
     async def encode(
         self,
         inputs: Sequence[Input],
         options: EncodeOptions,
         disconnected: DisconnectWatch | None = None,
-        task: Task | None = Task.EMBED,
     ) -> EncodeResult:
         """Check, tokenize, queue every input, and wait for all results (timeout and
-        disconnect aware). `task` is what the route needs (None: any model, for per-token
-        outputs)."""
+        disconnect aware). The model's task is the route's (app/dispatch.py checks it)."""
         started = time.perf_counter()
         deadline = started + self.settings.request_timeout
         codec = self._enter()
         try:
             info = codec.info
-            if task is not None:
-                _require_task(info, task)
             self.limits.check_inputs(inputs)
             self.limits.check_dimensions(options.dimensions, info)
             attention = self.limits.resolve_attention(options.attention, info)
@@ -350,14 +327,6 @@ class EmbeddingService:
             if watcher is not None:
                 watcher.cancel()
         return outcome.items, outcome.queue_seconds, outcome.inference_seconds
-
-
-def _require_task(info: ModelInfo, task: Task) -> None:
-    if info.task is not task:
-        raise WrongTaskError(
-            f"this route needs {TASK_NAMES[task]} model; the loaded model is "
-            f"{TASK_NAMES[info.task]} model ({info.model_id})"
-        )
 
 
 def _on_disconnect(watcher: asyncio.Future[None], pending: Pending) -> None:

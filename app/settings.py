@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from model import DEFAULT_MODEL_ID
 from model.cpus import available_cpus
+from model.info import Task
 
 
 class Settings(BaseSettings):
@@ -28,7 +29,7 @@ class Settings(BaseSettings):
         DEFAULT_MODEL_ID,
         description="A local checkpoint folder, or the id of an installed model package.",
     )
-    task: Literal["auto", "embed", "classify", "sparse"] = Field(
+    task: Literal["auto"] | Task = Field(
         "auto",
         description=(
             "What the model serves: embeddings, classification/reranking (a cross-encoder), "

@@ -31,7 +31,7 @@ from pathlib import Path
 import orjson
 
 from bench.workload import long_passages, short_sentences
-from bench.wrk import Server, WrkResult, run_wrk, workers_in
+from bench.wrk import Server, WrkResult, engines_in, run_wrk
 
 RESULTS = Path(__file__).resolve().parent / "results" / "server.json"
 BATCH = 32
@@ -144,7 +144,7 @@ def run_load(server: Server, load: Load, seconds: float) -> LoadRun:
         other_ms=cpu.rest / texts * 1000,
         batch_inputs=batches.inputs / max(batches.count, 1),
         padding=batches.padding / max(batches.count, 1),
-        busy=batches.seconds / (result.seconds * server.workers),
+        busy=batches.seconds / (result.seconds * server.engines),
     )
 
 
@@ -152,11 +152,11 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
     ceilings = []
     results: dict[str, list[LoadRun]] = {load.name: [] for load in LOADS}
     rss: dict[str, float] = {}
-    flags = ["--device", args.device, "--dtype", dtype]
-    if workers_in(args.server) == 1:
-        flags += ["--threads", str(args.threads)]
-    # Else each worker's threads are the server's default, its share of the CPUs: the
-    # ceiling's threads in every worker would oversubscribe them (see Settings).
+    flags = ["--dtype", dtype]
+    if engines_in(args.server) == 1:
+        flags += ["--devices", args.device, "--threads", str(args.threads)]
+    # Else each engine's threads are the server's default, its share of the CPUs: the
+    # ceiling's threads in every engine would oversubscribe them (see Settings).
     flags += args.server + ([] if args.prepack else ["--no-prepack"])
     info: dict[str, object] = {}
     for _ in range(args.rounds):
@@ -226,7 +226,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--threads", type=int, default=2, help="the ceiling's, and the server's unless --workers"
+        "--threads",
+        type=int,
+        default=2,
+        help="the ceiling's, and the server's unless several --devices",
     )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU figures")
     parser.add_argument(

@@ -112,7 +112,7 @@ class Pinned(Server):
 
     def __init__(self, command: Sequence[str], port: int) -> None:
         self.port = port
-        self.workers = 1
+        self.engines = 1
         self.url = f"http://127.0.0.1:{port}"
         self.process = subprocess.Popen(list(command), env={**os.environ, "PYTHONUNBUFFERED": "1"})
 

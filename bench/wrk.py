@@ -63,7 +63,7 @@ class ServerCpu:
 
 @dataclass(frozen=True)
 class Batches:
-    """Sums of the server's batch histograms (/metrics, over all workers)."""
+    """Sums of the server's batch histograms (/metrics, over all engines)."""
 
     count: float
     inputs: float
@@ -91,7 +91,7 @@ class Server:
 
     def __init__(self, flags: Sequence[str], env: dict[str, str] | None = None) -> None:
         self.port = free_port()
-        self.workers = workers_in(flags)
+        self.engines = engines_in(flags)
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(self.port)]
         self.process = subprocess.Popen(
@@ -114,7 +114,7 @@ class Server:
 
     def peak_rss_mib(self) -> float:
         """VmHWM, the most resident memory a process has had so far, summed over the server
-        and its child processes (the workers, under --workers)."""
+        and its child processes (engines and front ends, under the split placement)."""
         pids = [self.process.pid, *_children(self.process.pid)]
         return sum(_peak_kib(pid) for pid in pids) / 1024
 
@@ -162,8 +162,8 @@ class Server:
         """Return once the work clients left behind is done: when wrk stops, the batches
         already running for its connections still run (up to 2 s for long passages on 2
         cores), and would land in the next load's latencies. Each probe, on a connection of
-        its own (so that the kernel spreads them over the workers), is answered only after
-        its worker's running batch."""
+        its own (so that the kernel spreads them over the front ends), is answered only after
+        its engine's running batch."""
         body = {"inputs": ["settle"]}
         with ThreadPoolExecutor(probes) as pool:
             answers = pool.map(
@@ -178,12 +178,13 @@ class Server:
             self.process.wait(timeout=60)
 
 
-def workers_in(flags: Sequence[str]) -> int:
-    """The server processes that run forward passes: --workers, if the flags give it."""
+def engines_in(flags: Sequence[str]) -> int:
+    """The engines that run forward passes: one per device in --devices, if the flags give
+    it."""
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--workers", type=int, default=1)
-    workers: int = parser.parse_known_args(flags)[0].workers
-    return workers
+    parser.add_argument("--devices", default="cpu")
+    devices: str = parser.parse_known_args(flags)[0].devices
+    return len(devices.split(","))
 
 
 def _children(pid: int) -> list[int]:

@@ -20,16 +20,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from app.cores import CoreLease
 from app.engine.compute import ComputeThread
-from app.engine.protocol import Admission, IntArray, ItemResult, Outcome, Wants
+from app.engine.protocol import Admission, ItemResult, Outcome, Wants
 from app.errors import BackendError, OverloadedError, ServiceError
 from app.memory import Trimmer
 from app.metrics import Metrics
-from model import AttentionSpec, BatchOutput, Embedder, Encoded, FloatArray, Task, finish
+from app.tasks import TASKS
+from model import AttentionSpec, BatchOutput, Embedder, Encoded
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,8 @@ class Batcher:
         self.embedder = embedder
         self.metrics = metrics
         self.deliver = deliver
+        # The task's last step on each input's pooled row (app/tasks/).
+        self.finish = TASKS[embedder.info.task].finish
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_inputs = max_batch_inputs
         self.max_attention_values = max_attention_values
@@ -407,9 +409,7 @@ class Batcher:
     def _deliver_finished(
         self, batch: list[WorkItem], output: BatchOutput, started: float, seconds: float
     ) -> None:
-        pooled = output.pooled.numpy()
-        task = self.embedder.info.task
-        embeddings = finished_embeddings(batch, pooled) if task is Task.EMBED else {}
+        outputs = self.finish(output.pooled.numpy(), [item.ticket.wants for item in batch])
         deliveries: list[Delivery] = []
         for row, item in enumerate(batch):
             ticket = item.ticket
@@ -421,15 +421,13 @@ class Batcher:
             ticket.queue_seconds = max(ticket.queue_seconds, queued)
             ticket.inference_seconds = max(ticket.inference_seconds, seconds)
             ticket.results[item.row] = ItemResult(
-                embeddings.get(row),
+                outputs[row],
                 output.token_embeddings[row].numpy()
                 if wants.token_embeddings and output.token_embeddings
                 else None,
                 {layer: maps.numpy() for layer, maps in output.attentions[row].items()}
                 if output.attentions
                 else None,
-                pooled[row].copy() if wants.pooled and task is Task.CLASSIFY else None,
-                nonzero(pooled[row]) if wants.pooled and task is Task.SPARSE else None,
             )
             ticket.remaining -= 1
             if ticket.remaining == 0:
@@ -447,26 +445,6 @@ class Batcher:
             ticket.abandoned = True
         if deliveries:
             self.deliver(deliveries)
-
-
-def finished_embeddings(batch: list[WorkItem], pooled: FloatArray) -> dict[int, FloatArray]:
-    """Each row's vector cut and normalised as its request asks: one numpy call per distinct
-    (normalize, dimensions) in the batch, not one per row."""
-    groups: dict[tuple[bool, int | None], list[int]] = {}
-    for row, item in enumerate(batch):
-        wants = item.ticket.wants
-        if wants.pooled:
-            groups.setdefault((wants.normalize, wants.dimensions), []).append(row)
-    done: dict[int, FloatArray] = {}
-    for (normalize, dimensions), rows in groups.items():
-        done.update(zip(rows, finish(pooled[rows], normalize, dimensions), strict=True))
-    return done
-
-
-def nonzero(weights: FloatArray) -> tuple[IntArray, FloatArray]:
-    """A SPLADE vector as the vocabulary ids it weighs and their weights."""
-    ids = np.flatnonzero(weights)
-    return ids, weights[ids]
 
 
 def _map_values(spec: AttentionSpec, width: int, count: int) -> int:

@@ -38,15 +38,30 @@ class Wants:
     attention: AttentionSpec | None = None
 
 
+# A task's finished output for one input (app/tasks/): a vector (an embedding's, cut and
+# normalised as asked, or a classifier's logits), or SPLADE's vocabulary ids and weights.
+SparseVector = tuple[IntArray, FloatArray]
+Output = FloatArray | SparseVector
+
+
 @dataclass(frozen=True, slots=True)
 class ItemResult:
-    """One input's outputs, finished (cut and normalised as asked)."""
+    """One input's outputs, finished."""
 
-    embedding: FloatArray | None  # (D,)
-    token_embeddings: FloatArray | None  # (T, hidden)
-    attention: dict[int, FloatArray] | None  # layer -> (h, T, T), or (T, T) for a mean
-    scores: FloatArray | None = None  # a classifier's raw logits, (labels,)
-    sparse: tuple[IntArray, FloatArray] | None = None  # SPLADE: vocabulary ids and weights
+    output: Output | None
+    token_embeddings: FloatArray | None = None  # (T, hidden)
+    attention: dict[int, FloatArray] | None = None  # layer -> (h, T, T), or (T, T) for a mean
+
+    @property
+    def vector(self) -> FloatArray:
+        """The output of an embedding or a classifier."""
+        assert isinstance(self.output, np.ndarray), "a vector was asked for"
+        return self.output
+
+    @property
+    def sparse(self) -> SparseVector:
+        assert isinstance(self.output, tuple), "sparse weights were asked for"
+        return self.output
 
 
 @dataclass(frozen=True, slots=True)

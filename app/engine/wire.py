@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from app.engine.protocol import ItemResult, Outcome, Wants
+from app.engine.protocol import ItemResult, Outcome, Output, Wants
 from app.errors import (
     BackendError,
     OverloadedError,
@@ -58,10 +58,9 @@ class Reply(msgspec.Struct, array_like=True):
     failure: Failure | None = None
     queue_seconds: float = 0.0
     inference_seconds: float = 0.0
-    # (N, D) finished vectors, or a classifier's (N, labels) logits.
-    pooled: bytes | None = None
-    pooled_width: int = 0
-    scores: bool = False
+    # (N, D): every input's output vector (an embedding's, a classifier's logits).
+    vectors: bytes | None = None
+    vector_width: int = 0
     # Per-token vectors: every input's rows, one after another, and their counts.
     token_embeddings: bytes | None = None
     token_counts: list[int] | None = None
@@ -134,19 +133,16 @@ def outcome_reply(request: int, outcome: Outcome) -> Reply:
     items = outcome.items
     reply = Reply(request, None, outcome.queue_seconds, outcome.inference_seconds)
     first = items[0]
-    pooled = first.embedding if first.embedding is not None else first.scores
-    if pooled is not None:
-        rows = [item.embedding if item.embedding is not None else item.scores for item in items]
-        reply.pooled = b"".join(_bytes(row) for row in rows if row is not None)
-        reply.pooled_width = pooled.shape[-1]
-        reply.scores = first.scores is not None
+    if isinstance(first.output, np.ndarray):
+        reply.vectors = b"".join(_bytes(item.vector) for item in items)
+        reply.vector_width = first.output.shape[-1]
     if first.token_embeddings is not None:
         states = [item.token_embeddings for item in items if item.token_embeddings is not None]
         reply.token_embeddings = b"".join(_bytes(rows) for rows in states)
         reply.token_counts = [len(rows) for rows in states]
         reply.hidden_size = states[0].shape[-1]
-    if first.sparse is not None:
-        pairs = [item.sparse for item in items if item.sparse is not None]
+    if isinstance(first.output, tuple):
+        pairs = [item.sparse for item in items]
         reply.sparse_ids = b"".join(ids.astype(INT64, copy=False).tobytes() for ids, _ in pairs)
         reply.sparse_weights = b"".join(_bytes(weights) for _, weights in pairs)
         reply.sparse_counts = [len(ids) for ids, _ in pairs]
@@ -163,17 +159,18 @@ def reply_outcome(reply: Reply, count: int) -> Outcome | ServiceError:
     """The front end's side: the request's `count` results as views on the reply's bytes."""
     if reply.failure is not None:
         return _error(reply.failure)
-    pooled = _rows(reply.pooled, (count, reply.pooled_width)) if reply.pooled else None
-    tokens = _split(reply.token_embeddings, reply.token_counts, reply.hidden_size)
+    vectors = _rows(reply.vectors, (count, reply.vector_width)) if reply.vectors else None
     sparse = _sparse(reply)
+    outputs: list[Output | None] = (
+        list(vectors) if vectors is not None else list(sparse) if sparse else [None] * count
+    )
+    tokens = _split(reply.token_embeddings, reply.token_counts, reply.hidden_size)
     attention = _attention(reply, count)
     items = [
         ItemResult(
-            pooled[row] if pooled is not None and not reply.scores else None,
+            outputs[row],
             tokens[row] if tokens is not None else None,
             attention[row] if attention is not None else None,
-            pooled[row] if pooled is not None and reply.scores else None,
-            sparse[row] if sparse is not None else None,
         )
         for row in range(count)
     ]

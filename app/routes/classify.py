@@ -7,25 +7,13 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from app.dependencies import DisconnectDep, ServiceDep
+from app.errors import WrongTaskError
 from app.responses import JSONResponse, timing_headers
 from app.routes.errors import error_responses
 from app.schemas import Prediction, PredictRequest, Rank, RerankRequest
-from model import FloatArray, Task
+from app.tasks.classifier import is_reranker, probabilities
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=error_responses())
-
-
-def probabilities(logits: FloatArray, raw: bool) -> FloatArray:
-    """text-embeddings-inference's scores: a sigmoid of one logit, a softmax of several."""
-    if raw:
-        return logits
-    scores: FloatArray
-    if logits.shape[-1] == 1:
-        scores = np.reciprocal(1 + np.exp(-logits))
-    else:
-        shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        scores = shifted / shifted.sum(axis=-1, keepdims=True)
-    return scores.astype(np.float32, copy=False)
 
 
 @router.post(
@@ -36,12 +24,11 @@ def probabilities(logits: FloatArray, raw: bool) -> FloatArray:
 async def predict(
     body: PredictRequest, service: ServiceDep, disconnected: DisconnectDep
 ) -> Response:
-    result = await service.encode(body.inputs_list(), body.options(), disconnected, Task.CLASSIFY)
+    result = await service.encode(body.inputs_list(), body.options(), disconnected)
     labels = result.model.labels
     answers = []
     for item in result.items:
-        assert item.scores is not None, "a classifier gives scores"
-        scores = probabilities(item.scores, body.raw_scores)
+        scores = probabilities(item.vector, body.raw_scores)
         ranked = sorted(zip(scores.tolist(), labels, strict=True), reverse=True)
         answers.append([{"score": score, "label": label} for score, label in ranked])
     content = answers if body.is_batch() else answers[0]
@@ -54,9 +41,13 @@ async def predict(
     summary="Texts ranked by their relevance to a query (a cross-encoder with one label)",
 )
 async def rerank(body: RerankRequest, service: ServiceDep, disconnected: DisconnectDep) -> Response:
-    service.check_reranker()
-    result = await service.encode(body.pairs(), body.options(), disconnected, Task.CLASSIFY)
-    logits = np.array([item.scores[0] for item in result.items if item.scores is not None])
+    if not is_reranker(info := service.info):
+        raise WrongTaskError(
+            f"this route needs a reranker (a classifier with one label); the loaded model "
+            f"has {len(info.labels)} labels: use /predict"
+        )
+    result = await service.encode(body.pairs(), body.options(), disconnected)
+    logits = np.array([item.vector[0] for item in result.items])
     scores = probabilities(logits[:, None], body.raw_scores)[:, 0]
     order = np.argsort(-scores, kind="stable")
     ranks = [

@@ -13,7 +13,8 @@ from app.responses import Encoding, array_payload, render, timing_headers, usage
 from app.routes.errors import error_responses
 from app.schemas import EncodeRequest, EncodeResponse
 from app.service import EncodeResult
-from model import Encoded, Task
+from app.tasks import require_task
+from model import Encoded
 
 router = APIRouter(tags=["encode"], responses=error_responses())
 
@@ -46,9 +47,9 @@ def attention_payload(
     summary="Pooled and per-token vectors, tokens and attention maps",
 )
 async def encode(body: EncodeRequest, service: ServiceDep, disconnected: DisconnectDep) -> Response:
-    # The pooled vector needs an embedding model; tokens, states and maps any model has.
-    task = Task.EMBED if body.pooled else None
-    result = await service.encode(body.inputs_list(), body.options(), disconnected, task)
+    if body.pooled:  # the pooled vector is an embedding model's; the rest any model has
+        require_task(service.info, "/embed")
+    result = await service.encode(body.inputs_list(), body.options(), disconnected)
     values = sum(
         (item.token_embeddings.size if item.token_embeddings is not None else 0)
         + sum(maps.size for maps in (item.attention or {}).values())
@@ -65,8 +66,8 @@ def encode_payload(body: EncodeRequest, result: EncodeResult) -> dict[str, Any]:
     data = []
     for index, (encoded, item) in enumerate(zip(result.encoded, result.items, strict=True)):
         entry: dict[str, Any] = {"index": index, "truncated": encoded.truncated}
-        if item.embedding is not None:
-            entry["embedding"] = array_payload(item.embedding, body.encoding)
+        if item.output is not None:
+            entry["embedding"] = array_payload(item.vector, body.encoding)
         if item.token_embeddings is not None:
             entry["token_embeddings"] = array_payload(item.token_embeddings, body.encoding)
         if body.tokens:

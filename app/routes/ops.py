@@ -16,8 +16,8 @@ from app.metrics import Metrics
 from app.responses import JSONResponse
 from app.routes.errors import error_responses
 from app.schemas import ErrorResponse, InfoResponse, Limits, StatusResponse
+from app.tasks import TASKS
 from app.tokenization import TOKENIZER_THREADS
-from model import ModelInfo, Task
 
 router = APIRouter(tags=["operations"])
 
@@ -63,7 +63,7 @@ async def info(service: ServiceDep) -> JSONResponse:
             # text-embeddings-inference's names, for clients that read them.
             "model_sha": None,
             "model_dtype": model.dtype,
-            "model_type": tei_model_type(model),
+            "model_type": TASKS[model.task].tei_model_type(model),
             "max_concurrent_requests": settings.max_concurrent_requests,
             "max_input_length": model.max_input_tokens,
             "max_client_batch_size": settings.max_inputs_per_request,
@@ -73,17 +73,6 @@ async def info(service: ServiceDep) -> JSONResponse:
             "docker_label": None,
         }
     )
-
-
-def tei_model_type(model: ModelInfo) -> dict[str, dict[str, object]]:
-    """text-embeddings-inference's description of what the model is."""
-    if model.task is Task.CLASSIFY:
-        kind = "reranker" if len(model.labels) == 1 else "classifier"
-        id2label = {str(index): label for index, label in enumerate(model.labels)}
-        label2id = {label: int(index) for index, label in id2label.items()}
-        return {kind: {"id2label": id2label, "label2id": label2id}}
-    pooling = "splade" if model.task is Task.SPARSE else "+".join(model.pooling)
-    return {"embedding": {"pooling": pooling}}
 
 
 @router.get(

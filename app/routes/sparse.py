@@ -9,7 +9,6 @@ from app.dependencies import DisconnectDep, ServiceDep
 from app.responses import JSONResponse, timing_headers
 from app.routes.errors import error_responses
 from app.schemas import EmbedSparseRequest, SparseValue
-from model import Task
 
 router = APIRouter(tags=["text-embeddings-inference"], responses=error_responses())
 
@@ -22,10 +21,9 @@ router = APIRouter(tags=["text-embeddings-inference"], responses=error_responses
 async def embed_sparse(
     body: EmbedSparseRequest, service: ServiceDep, disconnected: DisconnectDep
 ) -> Response:
-    result = await service.encode(body.inputs_list(), body.options(), disconnected, Task.SPARSE)
+    result = await service.encode(body.inputs_list(), body.options(), disconnected)
     content = []
     for item in result.items:
-        assert item.sparse is not None, "a sparse model gives sparse vectors"
         ids, weights = item.sparse
         content.append(
             [

@@ -137,7 +137,8 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
         "oversize chunked body",
         "POST",
         "/embed",
-        {"content": oversize_chunks(), "headers": {"content-type": "application/json"}},
+        # A function: each use needs a fresh stream.
+        {"content": oversize_chunks, "headers": {"content-type": "application/json"}},
         413,
         "PayloadTooLarge",
     ),
@@ -220,6 +221,8 @@ async def test_bad_input_gets_its_status_and_shape(
     service keeps serving after each."""
     async with running_app(make_settings(tiny_checkpoint, **LIMITS), placement) as (_, client):
         for name, method, path, kwargs, status, error_type in CASES:
+            if callable(kwargs.get("content")):
+                kwargs = {**kwargs, "content": kwargs["content"]()}
             response = await client.request(method, path, **kwargs)
             assert response.status_code == status, (name, response.text)
             body = response.json()

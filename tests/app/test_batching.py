@@ -15,7 +15,7 @@ from app.cores import CoreLease, CorePool
 from app.engine.batcher import Batcher, Ticket, WorkItem
 from app.engine.compute import ComputeThread
 from app.engine.local import deliver_on
-from app.engine.protocol import Wants
+from app.engine.protocol import Outcome, Wants
 from app.errors import ClientDisconnectedError, OverloadedError
 from app.metrics import Metrics
 from app.params import EncodeOptions
@@ -256,18 +256,12 @@ async def test_a_lone_input_does_not_wait_out_the_batch_wait(tiny_embedder: Embe
     batcher.deliver = deliver_on(loop)
     batcher.start(compute)
     try:
-        ticket = Ticket(
-            tiny_embedder.tokenize(["hello"]),
-            Wants(),
-            time.perf_counter() + 30,
-            loop.create_future(),
-        )
-        batcher.submit(ticket)
-        [result] = (
-            await asyncio.wait_for(ticket.reply_to, timeout=10)
-        ).items  # far below the 30 s cap
-        assert result.embedding is not None
-        assert result.embedding.shape == (tiny_embedder.info.dimensions,)
+        future: asyncio.Future[Outcome] = loop.create_future()
+        deadline = time.perf_counter() + 30
+        batcher.submit(Ticket(tiny_embedder.tokenize(["hello"]), Wants(), deadline, future))
+        outcome = await asyncio.wait_for(future, timeout=10)  # far below the 30 s cap
+        [result] = outcome.items
+        assert result.vector.shape == (tiny_embedder.info.dimensions,)
     finally:
         batcher.stop()
         compute.close()

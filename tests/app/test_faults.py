@@ -19,7 +19,7 @@ import torch
 from app.engine.batcher import Ticket
 from app.engine.compute import ComputeThread
 from app.engine.local import deliver_on
-from app.engine.protocol import Wants
+from app.engine.protocol import Outcome, Wants
 from app.errors import BackendError, ClientDisconnectedError
 from app.params import EncodeOptions
 from model import Embedder
@@ -193,22 +193,18 @@ async def test_a_failed_batch_gives_each_request_its_own_error(
 
     monkeypatch.setattr(batcher, "_forward", broken)
     loop = asyncio.get_running_loop()
-    tickets = [
-        Ticket(
-            tiny_embedder.tokenize([text]), Wants(), time.perf_counter() + 30, loop.create_future()
-        )
-        for text in ("hello", "world", "fox")
-    ]
-    for ticket in tickets:
-        batcher.submit(ticket)
+    futures: list[asyncio.Future[Outcome]] = [loop.create_future() for _ in range(3)]
+    deadline = time.perf_counter() + 30
+    for text, future in zip(("hello", "world", "fox"), futures, strict=True):
+        batcher.submit(Ticket(tiny_embedder.tokenize([text]), Wants(), deadline, future))
     compute = ComputeThread()
     batcher.deliver = deliver_on(loop)
     batcher.start(compute)
     try:
         errors = []
-        for ticket in tickets:
+        for future in futures:
             with pytest.raises(BackendError) as caught:
-                await asyncio.wait_for(ticket.reply_to, timeout=10)
+                await asyncio.wait_for(future, timeout=10)
             errors.append(caught.value)
     finally:
         batcher.stop()

@@ -192,7 +192,7 @@ def test_a_killed_engine_fails_live_and_its_requests_and_stops_the_container(
         while metric(scrape(split.url), "embed_queue_depth") == 0:
             assert not in_flight.done()
         os.kill(engine, signal.SIGKILL)
-        lives = []
+        lives: list[int] = []
         while split.process.poll() is None and len(lives) < 50:
             try:
                 lives.append(httpx.get(f"{split.url}/live", timeout=1).status_code)

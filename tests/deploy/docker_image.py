@@ -329,7 +329,7 @@ async def in_process_embeddings(texts: list[str]) -> np.ndarray:
     from app.main import create_app
     from app.settings import Settings
 
-    app = create_app(Settings(device="cpu", threads=THREADS))
+    app = create_app(Settings(devices=["cpu"], threads=THREADS))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://local") as client:

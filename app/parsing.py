@@ -1,0 +1,79 @@
+"""The one body parser: every POST route's raw body to its request model, or one
+ServiceError (415 not JSON, 400 malformed or empty, 422 invalid).
+
+pydantic's own JSON parser does the work in one step. What it refuses as JSON is read again
+with `json.loads`, which takes a lone surrogate (`"\\ud800"`: valid JSON, but not text), so
+that the error says that rather than "invalid JSON". Bodies that are not UTF-8 are refused,
+as JSON must be UTF-8 (RFC 8259), although `json.loads` would guess UTF-16 or UTF-32.
+The request models (app/schemas.py) raise `empty_input` where an input is empty and
+`not_unicode` for a lone surrogate, and say what a union field takes: this module maps error
+types, never field names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from app.errors import (
+    EmptyInputError,
+    MalformedRequestError,
+    ServiceError,
+    ValidationFailedError,
+    require_json,
+)
+
+Model = TypeVar("Model", bound=BaseModel)
+# The error types app/schemas.py raises itself.
+EMPTY_INPUT = "empty_input"
+NOT_UNICODE = "not_unicode"
+
+
+def parse_body(model: type[Model], raw: bytes, content_type: str) -> Model:
+    require_json(content_type)
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        error = exc
+    if any(e["type"] == "json_invalid" for e in error.errors()):
+        try:
+            return model.model_validate(_loads(raw))
+        except ValidationError as again:
+            error = again
+    raise validation_error(error.errors()) from None
+
+
+def _loads(raw: bytes) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedRequestError("the body is not UTF-8, as JSON must be") from exc
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # json.loads recurses into nested arrays
+        raise MalformedRequestError("the body is not valid JSON") from exc
+
+
+def validation_error(errors: Sequence[Any]) -> ServiceError:
+    """pydantic's errors as the one the client gets: an empty input first, then the first
+    problem, with where it is."""
+    if any(e["type"] == EMPTY_INPUT for e in errors):
+        return EmptyInputError("an input is empty, or the request holds no input")
+    first = errors[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    field = str(loc[0]) if loc else None
+    if first["type"] == NOT_UNICODE:
+        where = first.get("ctx", {}).get("where") or _indices(loc)
+        return ValidationFailedError(
+            f"{field}{where} is not valid Unicode: it holds a lone surrogate", param=field
+        )
+    path = ".".join(str(part) for part in loc)
+    return ValidationFailedError(f"{path or 'body'}: {first['msg']}", param=path or None)
+
+
+def _indices(loc: Sequence[Any]) -> str:
+    """The list positions in an error's location: `[1]`, `[0][1]`."""
+    return "".join(f"[{part}]" for part in loc if isinstance(part, int))
