@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.balance import ConnectionBalance
 from app.dispatch import post_routes
@@ -31,6 +32,20 @@ PROTECTED_ROUTERS = (tei, openai, encode, classify, sparse)
 PROTECTED_ROUTES = frozenset({("GET", "/info")})
 # Paths the concurrency limit never counts: probes must answer under any load.
 UNLIMITED_PATHS = frozenset({"/health", "/live", "/ping", "/metrics"})
+
+
+class EmbeddingApp(FastAPI):
+    """FastAPI with the service's middleware (app/middleware.py) in front of its whole stack:
+    POST routes are answered there (app/dispatch.py), without the framework's own layers on
+    every request (docs: benchmarks); every other request goes on to the framework."""
+
+    front: ASGIApp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.front(scope, receive, send)
+
+    async def framework(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(scope, receive, send)
 
 
 def create_app(
@@ -68,7 +83,7 @@ def create_app(
             loading.cancel()
             await service.stop()
 
-    app = FastAPI(
+    app = EmbeddingApp(
         title="embedding-server",
         summary="Embeddings from a from-scratch BERT-family encoder, dynamically batched.",
         lifespan=lifespan,
@@ -100,8 +115,8 @@ def create_app(
         app, lambda: service.codec.info if service.codec else None, settings, protected
     )
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
-    app.add_middleware(
-        ServiceMiddleware,
+    app.front = ServiceMiddleware(
+        app.framework,
         metrics=metrics,
         payload_limit=settings.payload_limit,
         body_timeout=settings.body_timeout,
@@ -115,10 +130,10 @@ def create_app(
         balance=balance,
     )
     if settings.cors_origins:
-        # Added last, so outermost: the POST routes' answers and the errors the service
-        # middleware writes itself (401, 408, 413, 429) carry the CORS headers too.
-        app.add_middleware(
-            CORSMiddleware,
+        # Outermost: the POST routes' answers and the errors the service middleware writes
+        # itself (401, 408, 413, 429) carry the CORS headers too.
+        app.front = CORSMiddleware(
+            app.front,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST"],
             allow_headers=["*"],

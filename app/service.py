@@ -22,6 +22,7 @@ from app.engine.protocol import Engine, ItemResult, Pending, Wants
 from app.errors import (
     ClientDisconnectedError,
     DeadlineError,
+    ServiceError,
     UnavailableError,
     ValidationFailedError,
 )
@@ -38,6 +39,8 @@ from model.vectors import FloatArray
 
 log = logging.getLogger(__name__)
 
+# Seconds a request waits before its client is watched for a disconnect (see `Watch`).
+WATCH_AFTER = 0.05
 # Makes a coroutine that completes when the client goes away.
 DisconnectWatch = Callable[[], Coroutine[Any, Any, None]]
 
@@ -304,31 +307,61 @@ class EmbeddingService:
         """The request's results, its longest queue wait and its longest forward pass.
 
         The pending future is the one thing awaited: the timeout and a disconnect abort it
-        through callbacks (cheaper than asyncio.wait on several), which also drops its
-        inputs from the engine's queue."""
-        loop = asyncio.get_running_loop()
+        through callbacks (`Watch`), which also drops its inputs from the engine's queue."""
         left = deadline - time.perf_counter()
         if left <= 0:  # the tokenizer took it all: queuing would run work nobody waits for
             raise self._deadline_error()
         # Admitted only if the work ahead fits in the time this request has left (it may have
         # spent some waiting for its body or the tokenizer): else it would be a 504.
         pending = self.engine.submit(encoded, wants, deadline)
-        timer = loop.call_at(loop.time() + left, pending.abort, self._deadline_error())
-        watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
-        if watcher is not None:
-            watcher.add_done_callback(lambda done: _on_disconnect(done, pending))
+        watch = Watch(pending, left, self._deadline_error, disconnected)
         try:
             outcome = await pending.future
         except asyncio.CancelledError:  # with its task (uvicorn's at shutdown): nobody waits
             pending.abort(ClientDisconnectedError("the request was cancelled"))
             raise
         finally:
-            timer.cancel()
-            if watcher is not None:
-                watcher.cancel()
+            watch.close()
         return outcome.items, outcome.queue_seconds, outcome.inference_seconds
 
 
-def _on_disconnect(watcher: asyncio.Future[None], pending: Pending) -> None:
-    if not watcher.cancelled():  # cancelled: the request ended first
-        pending.abort(ClientDisconnectedError("the client disconnected"))
+class Watch:
+    """Aborts a pending request at its deadline, or when its client leaves. The client is
+    watched (a task waiting for its disconnect) only once the request has waited WATCH_AFTER:
+    that task would cost more than a short request's own work, and a client that leaves
+    sooner leaves at most that long of work behind."""
+
+    __slots__ = ("_deadline", "_disconnected", "_error", "_loop", "_pending", "_timer", "_watcher")
+
+    def __init__(
+        self,
+        pending: Pending,
+        left: float,
+        error: Callable[[], ServiceError],
+        disconnected: DisconnectWatch | None,
+    ) -> None:
+        self._loop = loop = asyncio.get_running_loop()
+        self._pending = pending
+        self._deadline = loop.time() + left
+        self._error = error
+        self._disconnected = disconnected
+        self._watcher: asyncio.Future[None] | None = None
+        self._timer = loop.call_later(min(left, WATCH_AFTER), self._tick)
+
+    def _tick(self) -> None:
+        if self._loop.time() >= self._deadline:
+            self._pending.abort(self._error())
+            return
+        if self._disconnected is not None:
+            self._watcher = asyncio.ensure_future(self._disconnected())
+            self._watcher.add_done_callback(self._on_disconnect)
+        self._timer = self._loop.call_at(self._deadline, self._tick)
+
+    def _on_disconnect(self, watcher: asyncio.Future[None]) -> None:
+        if not watcher.cancelled():  # cancelled: the request ended first
+            self._pending.abort(ClientDisconnectedError("the client disconnected"))
+
+    def close(self) -> None:
+        self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()

@@ -3,14 +3,14 @@
 The supervisor (this module, in the process the container runs; it never imports torch)
 reserves the port, starts the engines and waits until each has loaded its model and sent
 its card, then starts the front ends, which each listen on the port (see `bind`) and reach
-every engine over ZeroMQ (app/engine/remote.py, app/engine/process.py).
+every engine over a Unix socket (app/engine/remote.py, app/engine/process.py).
 
 Stopping: SIGTERM or SIGINT goes to the front ends, which drain as one server alone does
 (app/server.py); once they have exited, the engines finish what is queued and exit, and so
 does the supervisor, with 0. Failures, so that an orchestrator never sees a half-serving
-container as healthy: an engine that dies is marked dead on the board every front end reads
-(their /live turns 503 and its requests fail), the front ends are stopped and the supervisor
-exits non-zero; a front end that dies stops everything the same way.
+container as healthy: an engine that dies closes its connections, so every front end's
+/live turns 503 and its requests fail; the front ends are stopped and the supervisor exits
+non-zero; a front end that dies stops everything the same way.
 
 Metrics go through prometheus_client's multiprocess mode: every process writes its values
 to files in a directory made here, and whichever front end answers /metrics reports them
@@ -40,7 +40,7 @@ from types import FrameType
 
 from app.balance import ConnectionBalance, Counts
 from app.cores import CoreLease, CorePool
-from app.engine.state import EngineBoard, Status
+from app.engine.state import EngineBoard
 from app.logs import configure_logging
 from app.memory import limit_arenas
 from app.metrics import MULTIPROCESS_DIR_VARIABLE
@@ -123,9 +123,9 @@ def supervise(settings: Settings) -> int:
     )
     if shared.weights_dir is not None:
         shared.weights_dir.mkdir()
-    board = EngineBoard.create(shared.board_path, len(devices))
+    EngineBoard.create(shared.board_path, len(devices))
     try:
-        return Supervisor(settings, context, shared, board).run()
+        return Supervisor(settings, context, shared).run()
     finally:
         reservation.close()
         if shared.cores is not None:
@@ -134,13 +134,10 @@ def supervise(settings: Settings) -> int:
 
 
 class Supervisor:
-    def __init__(
-        self, settings: Settings, context: SpawnContext, shared: Shared, board: EngineBoard
-    ) -> None:
+    def __init__(self, settings: Settings, context: SpawnContext, shared: Shared) -> None:
         self.settings = settings
         self.context = context
         self.shared = shared
-        self.board = board
         self.engines: list[SpawnProcess] = []
         self.frontends: list[SpawnProcess] = []
         # Set by a signal, or by a child exiting on its own: every exit after it is expected.
@@ -234,11 +231,8 @@ class Supervisor:
                 self._stop([p for p in self.engines if p in running], drain)
 
     def _exited(self, process: SpawnProcess, drain: float) -> None:
-        if process in self.engines:
-            index = self.engines.index(process)
-            self.board.set_status(index, Status.DEAD)
-            if self.shared.cores is not None:
-                self.shared.cores.forget(index)  # its cores are free for the others
+        if process in self.engines and self.shared.cores is not None:
+            self.shared.cores.forget(self.engines.index(process))  # its cores are free
         code = _shell_code(process.exitcode or 0)
         self.code = self.code or code
         if not self.stopping.is_set():
@@ -325,6 +319,6 @@ def run_frontend(settings: Settings, card: ModelCard, index: int, shared: Shared
 
     board = EngineBoard(shared.board_path, shared.engines)
     admission = Admission(settings.request_timeout, settings.max_queue_wait)
-    engine = RemoteEngine(card, index, shared.run_dir, board, admission)
+    engine = RemoteEngine(card, shared.run_dir, board, admission)
     balance = ConnectionBalance(shared.counts, index)
     raise SystemExit(serve(settings, engine, bind(settings, listen=True), balance))

@@ -213,14 +213,30 @@ class Batcher:
     def submit(self, ticket: Ticket, within: float | None = None) -> None:
         """Queue all of a request's inputs, or none of them (429, see `_check_room`);
         `within` is what is left of the request's time (at most `max_wait`)."""
+        if (error := self.submit_all([(ticket, within)])[0]) is not None:
+            raise error
+
+    def submit_all(
+        self, tickets: Sequence[tuple[Ticket, float | None]]
+    ) -> list[ServiceError | None]:
+        """`submit` for several requests under one lock, the worker woken once: what came
+        from a front end in one read. Each request's refusal, or None where it was queued."""
+        refused: list[ServiceError | None] = []
         with self._condition:
-            if self.crashed is not None:
-                raise BackendError("the batch worker has stopped")
-            self._check_room(ticket.tokens, self.max_wait if within is None else within)
-            self._queue.extend(ticket.items)
-            self._queued_tokens += ticket.tokens
+            for ticket, within in tickets:
+                try:
+                    if self.crashed is not None:
+                        raise BackendError("the batch worker has stopped")
+                    self._check_room(ticket.tokens, self.max_wait if within is None else within)
+                except ServiceError as error:
+                    refused.append(error)
+                    continue
+                refused.append(None)
+                self._queue.extend(ticket.items)
+                self._queued_tokens += ticket.tokens
             self._queue_changed()
             self._condition.notify()
+        return refused
 
     def check_room(self, within: float) -> None:
         """The same bounds before a request is tokenized, so that refusing it costs nothing."""

@@ -1,71 +1,78 @@
-"""An engine in a process of its own: the model, its queue, and ZeroMQ sockets to the front
-ends. No HTTP.
+"""An engine in a process of its own: the model, its queue, and a Unix socket that every
+front end connects to. No HTTP.
 
-The main thread reads submissions and aborts; the compute thread runs the batches and sends
-each finished request's reply itself (a ZeroMQ socket belongs to the thread that uses it, so
-each thread has its own towards each front end). SIGTERM, which the supervisor sends once
-every front end has exited: finish what is queued, then exit 0.
+The main thread accepts the front ends' connections and reads their submissions and aborts;
+the compute thread runs the batches and writes each finished request's reply to its front
+end itself (a lock per connection keeps the two threads' messages whole). SIGTERM, which the
+supervisor sends once every front end has exited: finish what is queued, then exit 0.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import select
+import selectors
 import signal
+import socket
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
 
-import zmq
-
 from app.cores import CoreLease
 from app.engine.batcher import Delivery, Ticket
 from app.engine.model_engine import ModelEngine
 from app.engine.protocol import Outcome
-from app.engine.remote import engine_address, frontend_address
-from app.engine.state import EngineBoard, Status
+from app.engine.remote import engine_address
+from app.engine.state import EngineBoard
 from app.engine.wire import (
     Abort,
-    encoder,
+    Frames,
     failure_reply,
+    framed,
     outcome_reply,
     submitted,
     to_engine_decoder,
 )
-from app.errors import ServiceError
 from app.metrics import Metrics
 from app.settings import Settings
 from model.shared_weights import WeightStore
 
 log = logging.getLogger(__name__)
 
-# How often the main thread looks up from its socket (for a stop signal, a dead worker).
-POLL_MS = 100
-# A request's inputs in the queue, by (front end, request number).
-Key = tuple[int, int]
+# How often the main thread looks up from its sockets (for a stop signal, a dead worker).
+POLL_SECONDS = 0.1
+# Room in the kernel for replies a front end has not read yet, before a writer waits.
+SEND_BUFFER = 4 << 20
 
 
-class Outboxes:
-    """One thread's sockets towards the front ends, connected on first use."""
+class FrontEnd:
+    """One front end's connection: its bytes cut into messages, and its writes kept whole."""
 
-    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], run_dir: Path) -> None:
-        self._context = context
-        self._run_dir = run_dir
-        self._sockets: dict[int, zmq.Socket[bytes]] = {}
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.frames = Frames()
+        self.lock = threading.Lock()
+        self.gone = False
 
-    def send(self, frontend: int, message: bytes) -> None:
-        socket = self._sockets.get(frontend)
-        if socket is None:
-            socket = self._context.socket(zmq.PUSH)
-            socket.setsockopt(zmq.LINGER, 1000)
-            socket.connect(frontend_address(self._run_dir, frontend))
-            self._sockets[frontend] = socket
-        socket.send(message, copy=False)
+    def write(self, message: bytes) -> None:
+        """From either thread; waits while the front end's side is full. A front end that
+        has gone takes nothing more (its requests are abandoned by the main thread)."""
+        with self.lock:
+            view = memoryview(message)
+            while view and not self.gone:
+                try:
+                    view = view[self.sock.send(view) :]
+                except BlockingIOError:
+                    select.select([], [self.sock], [], POLL_SECONDS)
+                except OSError:
+                    self.gone = True
 
-    def close(self) -> None:
-        for socket in self._sockets.values():
-            socket.close()
+
+# A request's inputs in the queue, by its front end and the front end's number for it.
+Key = tuple[FrontEnd, int]
 
 
 class EngineProcess:
@@ -82,13 +89,10 @@ class EngineProcess:
         self.settings = settings
         self.index = index
         self.board = board
+        self.path = engine_address(run_dir, index)
         self.model = ModelEngine(settings, Metrics(), device, cores, weights)
-        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.run_dir = run_dir
         self.tickets: dict[Key, Ticket] = {}
         self.stopping = False
-        self._replies_from_main = Outboxes(self.context, run_dir)
-        self._replies_from_compute = Outboxes(self.context, run_dir)
 
     def run(self, ready: Connection) -> int:
         try:
@@ -101,60 +105,88 @@ class EngineProcess:
         self.model.batcher.publish_to(
             lambda backlog, pace: self.board.publish(self.index, backlog, pace)
         )
-        inbox = self.context.socket(zmq.PULL)
-        inbox.bind(engine_address(self.run_dir, self.index))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.path))
+        listener.listen()
+        listener.setblocking(False)
         gc.collect()
         gc.freeze()  # see app/service.py: start-up's objects out of the collector's sight
         signal.signal(signal.SIGTERM, self._stop)
-        self.board.set_status(self.index, Status.READY)
         ready.send(("ready", card))
         ready.close()
-        code = self._serve(inbox)
+        with selectors.DefaultSelector() as selector:
+            selector.register(listener, selectors.EVENT_READ)
+            code = self._serve(selector, listener)
         self._drain()
-        inbox.close()
-        self._replies_from_main.close()
-        self._replies_from_compute.close()
-        self.context.term()
+        listener.close()
         return code
 
     def _stop(self, sig: int, frame: FrameType | None) -> None:
         self.stopping = True
 
-    def _serve(self, inbox: zmq.Socket[bytes]) -> int:
+    def _serve(self, selector: selectors.BaseSelector, listener: socket.socket) -> int:
         while not self.stopping:
-            if inbox.poll(POLL_MS):
-                while True:
-                    try:
-                        data = inbox.recv(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._handle(data.buffer)
+            for key, _ in selector.select(POLL_SECONDS):
+                if key.fileobj is listener:
+                    self._accept(selector, listener)
+                else:
+                    self._read(selector, key.data)
             if not self.model.alive:
                 log.critical("engine %d: the batch worker has stopped", self.index)
                 return 1
         return 0
 
-    def _handle(self, data: memoryview) -> None:
-        message = to_engine_decoder.decode(data)
-        key = (message.frontend, message.request)
-        if isinstance(message, Abort):
-            ticket = self.tickets.pop(key, None)
-            if ticket is not None:
-                ticket.abandoned = True
-            return
-        encoded, wants = submitted(message)
-        ticket = Ticket(encoded, wants, time.perf_counter() + message.left, key)
-        self.tickets[key] = ticket
-        assert self.model.batcher is not None, "loaded"
+    def _accept(self, selector: selectors.BaseSelector, listener: socket.socket) -> None:
+        sock, _ = listener.accept()
+        sock.setblocking(False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+        selector.register(sock, selectors.EVENT_READ, FrontEnd(sock))
+
+    def _read(self, selector: selectors.BaseSelector, frontend: FrontEnd) -> None:
         try:
-            self.model.batcher.submit(ticket, message.left)
-        except ServiceError as error:
-            del self.tickets[key]
-            reply = failure_reply(message.request, error)
-            self._replies_from_main.send(message.frontend, encoder.encode(reply))
+            data = frontend.sock.recv(1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the front end has gone: nobody waits for its requests
+            selector.unregister(frontend.sock)
+            frontend.sock.close()
+            frontend.gone = True
+            for key in [key for key in self.tickets if key[0] is frontend]:
+                self.tickets.pop(key).abandoned = True
+            return
+        arrived: list[tuple[Ticket, float | None]] = []
+        for raw in frontend.frames.feed(data):
+            message = to_engine_decoder.decode(raw)
+            key = (frontend, message.request)
+            if isinstance(message, Abort):
+                if (ticket := self.tickets.pop(key, None)) is not None:
+                    ticket.abandoned = True
+                continue
+            encoded, wants = submitted(message)
+            ticket = Ticket(encoded, wants, time.perf_counter() + message.left, key)
+            self.tickets[key] = ticket
+            arrived.append((ticket, message.left))
+        if arrived:
+            self._submit(frontend, arrived)
+
+    def _submit(self, frontend: FrontEnd, arrived: list[tuple[Ticket, float | None]]) -> None:
+        assert self.model.batcher is not None, "loaded"
+        refused = self.model.batcher.submit_all(arrived)
+        failures = []
+        for (ticket, _), error in zip(arrived, refused, strict=True):
+            if error is not None:
+                key: Key = ticket.reply_to  # type: ignore[assignment]
+                del self.tickets[key]
+                failures.append(framed(failure_reply(key[1], error)))
+        if failures:
+            frontend.write(b"".join(failures))
 
     def _deliver(self, deliveries: list[Delivery]) -> None:
-        """On the compute thread: each finished request's reply, sent from here."""
+        """On the compute thread: the batch's replies, written from here, one write per
+        front end."""
+        replies: dict[FrontEnd, list[bytes]] = {}
         for ticket, outcome in deliveries:
             key: Key = ticket.reply_to  # type: ignore[assignment]
             if self.tickets.pop(key, None) is None:  # aborted meanwhile
@@ -165,7 +197,9 @@ class EngineProcess:
                 if isinstance(outcome, Outcome)
                 else failure_reply(request, outcome)
             )
-            self._replies_from_compute.send(frontend, encoder.encode(reply))
+            replies.setdefault(frontend, []).append(framed(reply))
+        for frontend, messages in replies.items():
+            frontend.write(b"".join(messages))
 
     def _drain(self) -> None:
         """What is queued still runs (its front ends have gone, or are failing it)."""

@@ -1,10 +1,12 @@
-"""A front end's side of engines in other processes, over ZeroMQ; no torch.
+"""A front end's side of engines in other processes; no torch.
 
-Each engine pulls submissions from every front end on its own socket; each front end pulls
-replies on one socket of its own, read from the event loop when its descriptor says so (no
-thread, no poller task). Work goes to the engine that would finish it first by the backlog
-each publishes (app/engine/state.py), which also decides the fast 429. A watchdog turns an
-engine the supervisor marked dead into failed requests and a failing /live.
+One Unix stream socket to each engine, carrying length-framed msgpack both ways
+(app/engine/wire.py), read and written by the front end's own event loop: no thread and no
+broker between the two processes, one system call per message each way. (ZeroMQ, tried
+first, hands every message to I/O threads of its own on both sides: a round trip cost three
+times as much CPU; docs: decisions.) Work goes to the engine that would finish it first by
+the backlog each publishes (app/engine/state.py), which also decides the fast 429. An engine
+whose connection closes has died: its requests fail, and /live says so.
 """
 
 from __future__ import annotations
@@ -14,49 +16,30 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
-
-import zmq
+from typing import cast
 
 from app.engine.protocol import Admission, Outcome, Wants
-from app.engine.state import EngineBoard, Status
-from app.engine.wire import (
-    Abort,
-    encoder,
-    reply_decoder,
-    reply_outcome,
-    submit_message,
-)
+from app.engine.state import EngineBoard
+from app.engine.wire import Abort, Frames, framed, reply_decoder, reply_outcome, submit_message
 from app.errors import BackendError, ServiceError
 from model.codec import ModelCard
 from model.tokenizer import Encoded
 
 log = logging.getLogger(__name__)
 
-# How often the watchdog reads the engines' status.
-WATCH_INTERVAL = 0.05
 
-
-def engine_address(run_dir: Path, engine: int) -> str:
-    return f"ipc://{run_dir}/engine-{engine}"
-
-
-def frontend_address(run_dir: Path, frontend: int) -> str:
-    return f"ipc://{run_dir}/frontend-{frontend}"
+def engine_address(run_dir: Path, engine: int) -> Path:
+    return run_dir / f"engine-{engine}.sock"
 
 
 class RemotePending:
-    __slots__ = ("client", "count", "engine", "future", "request")
+    __slots__ = ("count", "engine", "future", "request")
 
     def __init__(
-        self,
-        client: RemoteEngine,
-        engine: int,
-        request: int,
-        count: int,
-        future: asyncio.Future[Outcome],
+        self, engine: EngineLink, request: int, count: int, future: asyncio.Future[Outcome]
     ) -> None:
-        self.client = client
         self.engine = engine
         self.request = request
         self.count = count
@@ -65,80 +48,120 @@ class RemotePending:
     def abort(self, error: ServiceError) -> None:
         if not self.future.done():
             self.future.set_exception(error)
-        if self.client.pending.pop(self.request, None) is not None:
-            self.client.send(self.engine, encoder.encode(Abort(self.client.index, self.request)))
+        if self.engine.pending.pop(self.request, None) is not None:
+            self.engine.send(framed(Abort(self.request)))
+
+
+class EngineLink(asyncio.Protocol):
+    """The connection to one engine: its requests in flight, its replies as they come."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.pending: dict[int, RemotePending] = {}
+        self.closed = False
+        self._frames = Frames()
+        self._transport: asyncio.Transport | None = None
+        # Messages of one turn of the event loop, written together at its end: under load
+        # one write (and one wake-up of the engine) carries many requests.
+        self._outgoing: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport's subclasses, but have its methods.
+        self._transport = cast(asyncio.Transport, transport)
+
+    def send(self, message: bytes) -> None:
+        if self._transport is None or self.closed:
+            return
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outgoing.append(message)
+
+    def _flush(self) -> None:
+        if self._transport is not None and not self.closed:
+            self._transport.write(b"".join(self._outgoing))
+        self._outgoing.clear()
+
+    def data_received(self, data: bytes) -> None:
+        for message in self._frames.feed(data):
+            reply = reply_decoder.decode(message)
+            pending = self.pending.pop(reply.request, None)
+            if pending is None or pending.future.done():  # aborted meanwhile
+                continue
+            outcome = reply_outcome(reply, pending.count)
+            if isinstance(outcome, ServiceError):
+                pending.future.set_exception(outcome)
+            else:
+                pending.future.set_result(outcome)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.pending:
+            log.error(
+                "engine %d has stopped: failing its %d requests", self.index, len(self.pending)
+            )
+        for pending in self.pending.values():
+            if not pending.future.done():
+                pending.future.set_exception(BackendError("the engine has stopped"))
+        self.pending.clear()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
 
 
 class RemoteEngine:
     def __init__(
         self,
         card: ModelCard,
-        index: int,
         run_dir: Path,
         board: EngineBoard,
         admission: Admission,
     ) -> None:
         self.card = card
-        self.index = index
+        self.run_dir = run_dir
         self.board = board
         self.admission = admission
-        self.pending: dict[int, RemotePending] = {}
+        self.links: list[EngineLink] = []
         self._requests = itertools.count()
         self._turn = itertools.count()
-        self._context = zmq.Context()
-        self._inbox = self._context.socket(zmq.PULL)
-        self._inbox.setsockopt(zmq.LINGER, 0)
-        self._inbox.bind(frontend_address(run_dir, index))
-        self._outboxes = []
-        for engine in range(len(board)):
-            outbox = self._context.socket(zmq.PUSH)
-            outbox.setsockopt(zmq.LINGER, 0)
-            outbox.connect(engine_address(run_dir, engine))
-            self._outboxes.append(outbox)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._watchdog: asyncio.Task[None] | None = None
-        self._dead = False
 
     async def start(self) -> ModelCard:
         self._loop = loop = asyncio.get_running_loop()
-        loop.add_reader(self._inbox.fileno(), self._read_replies)
-        self._watchdog = asyncio.create_task(self._watch())
+        for index in range(len(self.board)):
+            path = str(engine_address(self.run_dir, index))
+            _, link = await loop.create_unix_connection(partial(EngineLink, index), path)
+            self.links.append(link)
         return self.card
 
     async def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.remove_reader(self._inbox.fileno())
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        self._context.destroy(linger=0)
+        for link in self.links:
+            link.close()
 
     @property
     def alive(self) -> bool:
-        return not self._dead
+        return not any(link.closed for link in self.links)
 
     def check_room(self, tokens: int, within: float) -> None:
         self._admit(self._choose(), tokens, within)
 
     def submit(self, encoded: Sequence[Encoded], wants: Wants, deadline: float) -> RemotePending:
         assert self._loop is not None, "started"
-        if self._dead:
-            raise BackendError("the engine has stopped")
         engine = self._choose()
+        link = self.links[engine]
+        if link.closed:
+            raise BackendError("the engine has stopped")
         left = deadline - time.perf_counter()
         self._admit(engine, sum(len(e.ids) for e in encoded), left)
         request = next(self._requests)
-        pending = RemotePending(self, engine, request, len(encoded), self._loop.create_future())
-        self.pending[request] = pending
-        self.send(engine, encoder.encode(submit_message(self.index, request, left, encoded, wants)))
+        pending = RemotePending(link, request, len(encoded), self._loop.create_future())
+        link.pending[request] = pending
+        link.send(framed(submit_message(request, left, encoded, wants)))
         return pending
-
-    def send(self, engine: int, message: bytes) -> None:
-        # Never blocks: the queue towards an engine is unbounded (admission bounds the work).
-        self._outboxes[engine].send(message, copy=False)
 
     def _choose(self) -> int:
         """The engine that would finish new work first; among idle ones, each in turn."""
-        engines = len(self._outboxes)
+        engines = len(self.links)
         if engines == 1:
             return 0
         start = next(self._turn) % engines
@@ -149,33 +172,3 @@ class RemoteEngine:
         backlog, pace = self.board.backlog(engine)
         if (error := self.admission.verdict(backlog, tokens, pace, within)) is not None:
             raise error
-
-    def _read_replies(self) -> None:
-        """Everything the inbox holds: its descriptor signals edges, not levels."""
-        while True:
-            try:
-                data = self._inbox.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            reply = reply_decoder.decode(data.buffer)
-            pending = self.pending.pop(reply.request, None)
-            if pending is None or pending.future.done():  # aborted meanwhile
-                continue
-            outcome = reply_outcome(reply, pending.count)
-            if isinstance(outcome, ServiceError):
-                pending.future.set_exception(outcome)
-            else:
-                pending.future.set_result(outcome)
-
-    async def _watch(self) -> None:
-        while not self._dead:
-            await asyncio.sleep(WATCH_INTERVAL)
-            dead = {i for i in range(len(self.board)) if self.board.status(i) is Status.DEAD}
-            if dead:
-                self._dead = True
-                log.error("engine %s has stopped: failing its requests", sorted(dead))
-                for request, pending in list(self.pending.items()):
-                    if pending.engine in dead:
-                        del self.pending[request]
-                        if not pending.future.done():
-                            pending.future.set_exception(BackendError("the engine has stopped"))

@@ -1,29 +1,21 @@
-"""What each engine publishes for the front ends: its status and its backlog, in a small
-shared file mapped into every process (no message per request, no lock).
+"""What each engine publishes for the front ends: its backlog, in a small shared file mapped
+into every process (no message per request, no lock).
 
-One row of float64 per engine: status, tokens queued and running, seconds per token. The
-engine writes its row after every change to its queue; front ends read every row to admit
-work (the fast 429) and to send it to the engine that will finish it first. The supervisor
-marks a dead engine, which every front end then reports on /live. A torn read of a row that
-is being written costs one admission decision a few tokens off, never a wrong status.
+One row of float64 per engine: tokens queued and running, seconds per token. The engine
+writes its row after every change to its queue; front ends read every row to admit work (the
+fast 429) and to send it to the engine that will finish it first. A torn read of a row that
+is being written costs one admission decision a few tokens off.
 """
 
 from __future__ import annotations
 
-import enum
 import mmap
 import os
 from pathlib import Path
 
 import numpy as np
 
-FIELDS = 3  # status, backlog tokens, seconds per token
-
-
-class Status(enum.IntEnum):
-    STARTING = 0
-    READY = 1
-    DEAD = 2
+FIELDS = 2  # backlog tokens, seconds per token
 
 
 class EngineBoard:
@@ -35,7 +27,7 @@ class EngineBoard:
 
     @classmethod
     def create(cls, path: Path, engines: int) -> EngineBoard:
-        """A zeroed board (every engine STARTING), made by the supervisor."""
+        """A zeroed board, made by the supervisor."""
         with path.open("wb") as file:
             file.truncate(engines * FIELDS * 8)
             os.fsync(file.fileno())
@@ -44,21 +36,15 @@ class EngineBoard:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def status(self, engine: int) -> Status:
-        return Status(int(self.rows[engine, 0]))
-
-    def set_status(self, engine: int, status: Status) -> None:
-        self.rows[engine, 0] = status
-
     def publish(self, engine: int, backlog: int, seconds_per_token: float) -> None:
         row = self.rows[engine]
-        row[1] = backlog
-        row[2] = seconds_per_token
+        row[0] = backlog
+        row[1] = seconds_per_token
 
     def backlog(self, engine: int) -> tuple[int, float]:
         """Tokens queued and running, and the recent seconds per token."""
         row = self.rows[engine]
-        return int(row[1]), float(row[2])
+        return int(row[0]), float(row[1])
 
     def seconds_ahead(self, engine: int) -> float:
         tokens, pace = self.backlog(engine)

@@ -1,4 +1,5 @@
-"""The messages between front ends and engines in other processes, as msgpack (msgspec).
+"""The messages between front ends and engines in other processes, as msgpack (msgspec),
+each framed by its length on a Unix stream socket.
 
 Front end to engine: `Submit` (one request's token ids and what it wants back) and `Abort`.
 Engine to front end: `Reply`, whose arrays travel as raw little-endian bytes and become numpy
@@ -8,6 +9,7 @@ views on the front end, never Python lists. No torch here.
 from __future__ import annotations
 
 import itertools
+import struct
 from collections.abc import Sequence
 
 import msgspec
@@ -27,8 +29,38 @@ FLOAT32 = np.dtype("<f4")
 INT64 = np.dtype("<i8")
 
 
+# Each message is preceded by its length, a little-endian uint32.
+HEADER = struct.Struct("<I")
+
+
+def framed(message: msgspec.Struct) -> bytes:
+    payload = encoder.encode(message)
+    return HEADER.pack(len(payload)) + payload
+
+
+class Frames:
+    """A stream's bytes, as they arrive, cut into whole messages."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buffer = self._buffer
+        buffer += data
+        messages = []
+        start = 0
+        while len(buffer) - start >= HEADER.size:
+            (size,) = HEADER.unpack_from(buffer, start)
+            end = start + HEADER.size + size
+            if len(buffer) < end:
+                break
+            messages.append(bytes(buffer[start + HEADER.size : end]))
+            start = end
+        del buffer[:start]
+        return messages
+
+
 class Submit(msgspec.Struct, array_like=True, tag=0):
-    frontend: int
     request: int
     left: float  # seconds left of the request's time, when it was sent
     ids: list[list[int]]
@@ -43,7 +75,6 @@ class Submit(msgspec.Struct, array_like=True, tag=0):
 
 
 class Abort(msgspec.Struct, array_like=True, tag=1):
-    frontend: int
     request: int
 
 
@@ -87,13 +118,10 @@ _ERRORS: dict[str, type[ServiceError]] = {
 }
 
 
-def submit_message(
-    frontend: int, request: int, left: float, encoded: Sequence[Encoded], wants: Wants
-) -> Submit:
+def submit_message(request: int, left: float, encoded: Sequence[Encoded], wants: Wants) -> Submit:
     attention = wants.attention
     has_types = any(e.type_ids for e in encoded)
     return Submit(
-        frontend,
         request,
         left,
         [e.ids for e in encoded],

@@ -71,7 +71,7 @@ def engine_process(settings: Settings) -> Iterator[RemoteEngine]:
             kind, card = receiving.recv()
             assert kind == "ready", card
             admission = Admission(settings.request_timeout, settings.max_queue_wait)
-            yield RemoteEngine(card, 0, run_dir, board, admission)
+            yield RemoteEngine(card, run_dir, board, admission)
         finally:
             process.terminate()
             process.join(30)

@@ -1,4 +1,4 @@
-"""The engine in a process of its own, reached over ZeroMQ from this process's app: what the
+"""The engine in a process of its own, reached over a Unix socket from this process's app: what the
 protocol adds to the in-process tests (aborts, deadlines and the fast 429 across processes,
 outputs crossing as buffers)."""
 
@@ -54,7 +54,7 @@ async def test_a_client_that_leaves_takes_its_inputs_out_of_the_engines_queue(
         started = time.monotonic()
         await wait_until(lambda: engine.board.backlog(0)[0] == 0)
         assert time.monotonic() - started < 2  # dropped, not run: 2,000 passes take longer
-        assert engine.pending == {}
+        assert engine.links[0].pending == {}
         assert (await client.post("/embed", json={"inputs": "next"})).status_code == 200
 
 
@@ -76,10 +76,10 @@ async def test_an_overloaded_engine_is_refused_by_the_front_end_with_retry_after
         engine = remote(app)
         busy = asyncio.create_task(client.post("/embed", json={"inputs": MANY}))
         await wait_until(lambda: engine.board.seconds_ahead(0) > 0.05)
-        sent_before = len(engine.pending)
+        sent_before = len(engine.links[0].pending)
         refused = await client.post("/embed", json={"inputs": "one more"})
         assert refused.status_code == 429
         assert int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error_type"] == "Overloaded"
-        assert len(engine.pending) == sent_before  # refused before anything was sent
+        assert len(engine.links[0].pending) == sent_before  # refused before anything was sent
         assert (await busy).status_code == 200
