@@ -12,7 +12,7 @@ from pydantic_settings import CliApp
 from app.logs import configure_logging
 from app.memory import limit_arenas
 from app.settings import Settings
-from app.supervisor import check_devices_in_child, supervise
+from app.supervisor import resolve_devices_in_child, supervise
 from model import ModelError
 from model.resolve import resolve_model_dir
 
@@ -27,15 +27,13 @@ def load_settings(argv: list[str] | None) -> Settings:
         sys.exit(f"embedding-server: invalid setting: {problems}")
 
 
-def check_devices(settings: Settings) -> None:
-    """ConfigError unless every device can work; asked of a child process where the
-    engines run in their own, so that the supervisor never imports torch."""
-    if settings.split():
-        check_devices_in_child(settings.devices)
-        return
-    from model.device import resolve_device
-
-    resolve_device(settings.devices[0])
+def placed(settings: Settings) -> Settings:
+    """The settings on the devices this machine has (`auto` found, and on a CPU as many
+    engines as measure best, see Settings.placed_on); ConfigError unless every device can
+    work. Asked of a child process, so that a supervisor never imports torch."""
+    if all(device == "cpu" for device in settings.devices):
+        return settings
+    return settings.placed_on(resolve_devices_in_child(settings.devices))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # Fail before binding the port when the model id or the device cannot work.
         resolve_model_dir(settings.model_id, allow_download=settings.allow_download)
-        check_devices(settings)
+        settings = placed(settings)
     except ModelError as exc:
         sys.exit(f"embedding-server: {exc}")
     if settings.split():

@@ -1,4 +1,4 @@
-"""Evening out keep-alive connections over the workers (--workers).
+"""Evening out keep-alive connections over the front ends (the split placement).
 
 The kernel places each new connection on a worker by a hash of its addresses, and the
 connection then stays there: with a few long-lived clients, one worker can hold them all

@@ -1,10 +1,10 @@
-"""Sharing the CPU's cores among the workers (--workers on a CPU): a lone pass takes them all.
+"""Sharing the CPU's cores among engines on one CPU (`--devices cpu,cpu`), here called
+workers, as they were first built: a lone pass takes them all.
 
 Each worker's share is `threads` (by default the CPUs over the workers): one-thread passes
 side by side give the most throughput on a small machine, but a request alone would run on
-one core while the others idle (1 x 1 p50 1.07-1.36x one worker's, measured by
-bench/workers.py before this module). So each forward pass runs on as many torch threads as
-it can take:
+one core while the others idle (docs: benchmarks). So each forward pass runs on as many
+torch threads as it can take:
 - all the workers' (at most the CPUs), when no other worker is busy (a batch running, or
   waiting for cores, or inputs in its queue, as while it waits for a fuller batch) or was
   within the last RECENTLY_BUSY seconds;
@@ -16,7 +16,7 @@ wants its cores (infinity while busy), in memory the supervisor made; and a lock
 shared by a pass on its share and exclusive by a pass on all the cores. A file lock, because
 the kernel drops it when its holder dies: a worker killed mid-pass or while waiting (the OOM
 killer, say) leaves nothing that could block the others, and the supervisor clears its
-number (see app/workers.py).
+number (see app/supervisor.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ class JSONFormatter(logging.Formatter):
             "time": self.formatTime(record),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "pid": record.process,  # which worker, under --workers
+            "pid": record.process,  # which process, under the split placement
             "message": record.getMessage(),
         }
         if record.exc_info:

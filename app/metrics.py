@@ -1,7 +1,8 @@
 """Prometheus metrics, prefix `embed_`, explicit buckets, one registry per app.
 
-With --workers, prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by
-app/workers.py) keeps each worker's values in files, and a scrape sums them over workers.
+Under the split placement, prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR,
+set by app/supervisor.py) keeps each process's values in files, engines' and front ends'
+alike, and a scrape reports them all.
 """
 
 from __future__ import annotations
@@ -51,12 +52,12 @@ class Metrics:
         )
         self.connections_rebalanced = Counter(
             "embed_connections_rebalanced",
-            "Connections closed after a response to even them out over the workers.",
+            "Connections closed after a response to even them out over the front ends.",
             registry=r,
         )
         self.forward_passes = Counter(
             "embed_forward_passes",
-            "Forward passes by the torch threads they ran on (--workers on a CPU, app/cores.py).",
+            "Forward passes by the torch threads they ran on (several CPU engines, app/cores.py).",
             ["threads"],
             registry=r,
         )
@@ -109,7 +110,7 @@ class Metrics:
     ) -> Callable[[], None]:
         """Wire the queue gauges to the batcher's queue; it calls the function returned after
         each change. One process reads the queue when /metrics is scraped instead, and the
-        function does nothing (it would run twice per request); workers must publish, since
+        function does nothing (it would run twice per request); engines must publish, since
         a scrape may reach another worker."""
         if self.multiprocess_dir is None:
             self.queue_depth.set_function(depth)

@@ -1,6 +1,6 @@
 """Pure ASGI middleware (cheaper than BaseHTTPMiddleware), in front of every route.
 
-It gives each request an id, counts it in the metrics, and protects the workers from
+It gives each request an id, counts it in the metrics, and protects the service from
 careless or hostile clients before any route runs: past `max_concurrent_requests` in
 progress a request gets a fast 429 (probes and metrics never count), a missing or wrong API
 key is refused before the body is read, a body over the payload limit as soon as that is

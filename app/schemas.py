@@ -7,6 +7,7 @@ Responses are documented here but rendered by orjson straight from numpy arrays.
 from __future__ import annotations
 
 from collections.abc import Sized
+from dataclasses import replace
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -165,23 +166,35 @@ def direction_of(value: TruncationDirection | None) -> Direction | None:
     return "left" if value.lower() == "left" else "right"
 
 
-class TruncatingRequest(Request):
-    inputs: Inputs = Field(description=INPUTS_DESCRIPTION)
+class Truncation(Request):
+    """The options of every request whose texts are tokenized, declared once."""
+
     truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
     truncation_direction: TruncationDirection | None = Field(
         None, description=DIRECTION_DESCRIPTION
     )
-    prompt_name: PromptName | None = Field(None, description=PROMPT_DESCRIPTION)
-
-    def inputs_list(self) -> list[RawInput]:
-        return as_list(self.inputs)
 
     @property
     def direction(self) -> Direction | None:
         return direction_of(self.truncation_direction)
 
     def options(self) -> EncodeOptions:
+        """No prompt: a cross-encoder's texts are scored as they are."""
+        return EncodeOptions(self.truncate, self.direction, prompt_name="")
+
+
+class Prompted(Truncation):
+    prompt_name: PromptName | None = Field(None, description=PROMPT_DESCRIPTION)
+
+    def options(self) -> EncodeOptions:
         return EncodeOptions(self.truncate, self.direction, self.prompt_name)
+
+
+class TruncatingRequest(Prompted):
+    inputs: Inputs = Field(description=INPUTS_DESCRIPTION)
+
+    def inputs_list(self) -> list[RawInput]:
+        return as_list(self.inputs)
 
 
 # TEI ------------------------------------------------------------------------------------
@@ -192,20 +205,12 @@ class EmbedRequest(TruncatingRequest):
     )
 
     def options(self) -> EncodeOptions:
-        return EncodeOptions(
-            self.truncate,
-            self.direction,
-            self.prompt_name,
-            normalize=self.normalize,
-            dimensions=self.dimensions,
-        )
+        return replace(super().options(), normalize=self.normalize, dimensions=self.dimensions)
 
 
 class EmbedAllRequest(TruncatingRequest):
     def options(self) -> EncodeOptions:
-        return EncodeOptions(
-            self.truncate, self.direction, self.prompt_name, pooled=False, token_embeddings=True
-        )
+        return replace(super().options(), pooled=False, token_embeddings=True)
 
 
 class TokenizeRequest(TruncatingRequest):
@@ -221,12 +226,8 @@ class SimilarityInput(Request):
     ] = Field(description="Sentences to compare with the source sentence.")
 
 
-class SimilarityParameters(Request):
-    truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
-    truncation_direction: TruncationDirection | None = Field(
-        None, description=DIRECTION_DESCRIPTION
-    )
-    prompt_name: PromptName | None = Field(None, description=PROMPT_DESCRIPTION)
+class SimilarityParameters(Prompted):
+    pass
 
 
 class SimilarityRequest(Request):
@@ -236,12 +237,7 @@ class SimilarityRequest(Request):
     parameters: SimilarityParameters | None = None
 
     def options(self) -> EncodeOptions:
-        parameters = self.parameters or SimilarityParameters()
-        return EncodeOptions(
-            parameters.truncate,
-            direction_of(parameters.truncation_direction),
-            parameters.prompt_name,
-        )
+        return (self.parameters or SimilarityParameters()).options()
 
 
 class DecodeRequest(Request):
@@ -287,14 +283,10 @@ PREDICT_INPUTS_DESCRIPTION = (
 )
 
 
-class PredictRequest(Request):
+class PredictRequest(Truncation):
     inputs: Annotated[
         Text | SingleOrPair | Batch, expecting(_lower_first(PREDICT_INPUTS_DESCRIPTION))
     ] = Field(description=PREDICT_INPUTS_DESCRIPTION)
-    truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
-    truncation_direction: TruncationDirection | None = Field(
-        None, description=DIRECTION_DESCRIPTION
-    )
     raw_scores: StrictBool = Field(
         False, description="Logits as they are; else a softmax over the labels (a sigmoid for one)."
     )
@@ -318,9 +310,6 @@ class PredictRequest(Request):
             return [as_input([item for item in self.inputs if isinstance(item, str)])]
         return [as_input(item if isinstance(item, list) else [item]) for item in self.inputs]
 
-    def options(self) -> EncodeOptions:
-        return EncodeOptions(self.truncate, direction_of(self.truncation_direction), prompt_name="")
-
 
 def as_input(texts: list[str]) -> RawInput | TextPair:
     """[text] is a text, [first, second] a pair (the validator allows no longer list)."""
@@ -332,25 +321,18 @@ class Prediction(BaseModel):
     label: str
 
 
-class RerankRequest(Request):
+class RerankRequest(Truncation):
     query: Text = Field(description="What the texts are ranked against.")
     texts: Annotated[
         list[Text],
         AfterValidator(_not_empty),
         Field(json_schema_extra={"minItems": 1, **bound("inputs")}),
     ] = Field(description="Texts to rank.")
-    truncate: StrictBool | None = Field(None, description=TRUNCATE_DESCRIPTION)
-    truncation_direction: TruncationDirection | None = Field(
-        None, description=DIRECTION_DESCRIPTION
-    )
     raw_scores: StrictBool = Field(False, description="The logit as it is; else its sigmoid.")
     return_text: StrictBool = Field(False, description="Return each text with its score.")
 
     def pairs(self) -> list[RawInput | TextPair]:
         return [(self.query, text) for text in self.texts]
-
-    def options(self) -> EncodeOptions:
-        return EncodeOptions(self.truncate, direction_of(self.truncation_direction), prompt_name="")
 
 
 class Rank(BaseModel):
@@ -448,10 +430,8 @@ class EncodeRequest(TruncatingRequest):
     )
 
     def options(self) -> EncodeOptions:
-        return EncodeOptions(
-            self.truncate,
-            self.direction,
-            self.prompt_name,
+        return replace(
+            super().options(),
             normalize=self.normalize,
             dimensions=self.dimensions,
             pooled=self.pooled,

@@ -6,7 +6,7 @@ import json
 import re
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from model import DEFAULT_MODEL_ID
@@ -43,7 +43,8 @@ class Settings(BaseSettings):
         default_factory=lambda: ["auto"],
         description=(
             "One engine per listed device: auto, cpu, cuda or cuda:N, comma-separated "
-            "(cuda:0,cuda:1; cpu,cpu runs two engines sharing the CPU's cores)."
+            "(cuda:0,cuda:1; cpu,cpu runs two engines sharing the CPU's cores). auto: the GPU "
+            "if there is one, else two engines on the CPU where it has two or more cores."
         ),
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
@@ -69,7 +70,7 @@ class Settings(BaseSettings):
         le=64,
         description=(
             "HTTP front-end processes on the one port (split placement); default: half the "
-            "CPUs (at most 8) on a GPU, else 1."
+            "CPUs (at most 8) on a GPU, else one per engine."
         ),
     )
     threads: int | None = Field(
@@ -208,9 +209,24 @@ class Settings(BaseSettings):
         return self.on_gpu() or len(self.devices) > 1 or (self.frontends or 1) > 1
 
     def frontend_count(self) -> int:
+        """On a GPU, half the CPUs (at most 8): the device outruns one event loop many times
+        over. On a CPU, one per engine (docs: benchmarks)."""
         if self.frontends is not None:
             return self.frontends
-        return min(8, max(1, available_cpus() // 2)) if self.on_gpu() else 1
+        return min(8, max(1, available_cpus() // 2)) if self.on_gpu() else len(self.devices)
+
+    def placed_on(self, found: list[str]) -> Settings:
+        """These settings with `devices` as found on this machine. `auto` that finds the CPU
+        runs two engines on it, each on its share of the cores, where the process may use two
+        or more CPUs (measured best at every load on two cores, docs: benchmarks); one where
+        `threads` leaves no room for two, or one process is asked for."""
+        devices = found
+        if self.devices == ["auto"] and found == ["cpu"]:
+            cpus = available_cpus()
+            room = cpus >= 2 and (self.threads is None or 2 * self.threads <= cpus)
+            if room and self.placement != "in-process":
+                devices = ["cpu", "cpu"]
+        return self.model_copy(update={"devices": devices})
 
     def cpu_oversubscription(self) -> str | None:
         """Why the torch threads asked for would fight over the CPUs, if they would. Each
@@ -225,6 +241,15 @@ class Settings(BaseSettings):
             f"CPUs this process may use: forward passes will stall each other; leave "
             f"`threads` unset or keep engines x threads <= {cpus}"
         )
+
+    @model_validator(mode="after")
+    def _one_process_runs_one_engine(self) -> Settings:
+        if self.placement == "in-process" and (len(self.devices) > 1 or (self.frontends or 1) > 1):
+            raise ValueError(
+                "placement in-process runs one engine behind one front end: name one device "
+                "and no more front ends, or choose placement split"
+            )
+        return self
 
     @field_validator("devices", mode="before")
     @classmethod

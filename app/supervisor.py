@@ -257,27 +257,24 @@ def _shell_code(exitcode: int) -> int:
     return 128 - exitcode if exitcode < 0 else exitcode
 
 
-def check_devices_in_child(devices: list[str]) -> None:
-    """ConfigError unless every device can work, checked in a spawned child process (which
-    has this process's import path) so that the supervisor itself never imports torch; the
-    child's ConfigError comes back as it was raised."""
-    asked = [device for device in devices if device not in ("auto", "cpu")]  # always work
-    if not asked:
-        return
+def resolve_devices_in_child(devices: list[str]) -> list[str]:
+    """What each device names on this machine (`auto` is `cuda` or `cpu`), found in a spawned
+    child process (which has this process's import path) so that the supervisor itself never
+    imports torch; a device that cannot work raises the child's ConfigError as it was
+    raised."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         try:
-            pool.submit(_check_devices, asked).result()
+            return pool.submit(_resolve_devices, devices).result()
         except BrokenProcessPool as exc:
-            message = f"devices {asked} could not be checked: the checking process died"
+            message = f"devices {devices} could not be checked: the checking process died"
             raise ConfigError(message) from exc
 
 
-def _check_devices(devices: list[str]) -> None:
-    """In the child; returns nothing, so that no torch object travels back."""
+def _resolve_devices(devices: list[str]) -> list[str]:
+    """In the child; returns names, so that no torch object travels back."""
     from model.device import resolve_device
 
-    for device in devices:
-        resolve_device(device)
+    return [str(resolve_device(device)) for device in devices]
 
 
 def _child(settings: Settings, name: str) -> None:

@@ -1,8 +1,8 @@
 """A from-scratch BERT-family encoder that loads trained checkpoints; no web code here.
 
-The names that need torch are imported on first use: `--workers`' supervisor reads the
-settings (the default model id, the errors) and never runs a model, and importing torch would
-cost it about 165 MiB (192 against 27 MiB PSS, measured).
+The names that need torch are imported on first use: the supervisor and the front ends use
+the settings, the model's description and its tokenizer (model/info.py, model/codec.py) and
+never run a model, and importing torch would cost each of them over a hundred MiB.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CPUs this process may use; no torch here, so that `--workers`' supervisor can ask."""
+"""The CPUs this process may use; no torch here, so that the supervisor can ask."""
 
 from __future__ import annotations
 

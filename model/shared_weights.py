@@ -1,4 +1,5 @@
-"""One copy of the weights for several processes on a CPU (`--workers`), in a shared file.
+"""One copy of the weights for several engines on a CPU (`--devices cpu,cpu`), here called
+workers, in a shared file.
 
 Each worker loads the model as usual; then the first to get here writes its parameters and
 buffers to the store's file, and every worker, that one included, points its modules at a

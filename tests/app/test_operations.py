@@ -66,6 +66,29 @@ def test_more_torch_threads_than_cpus_is_named(monkeypatch: pytest.MonkeyPatch) 
     assert "2 engine(s) x 2 torch threads" in crowded and "2 CPUs" in crowded
 
 
+def test_auto_runs_what_measured_best_where_it_finds_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(settings_module, "available_cpus", lambda: 2)
+    auto = Settings(model_id="m")
+    two = auto.placed_on(["cpu"])
+    assert two.devices == ["cpu", "cpu"] and two.split() and two.frontend_count() == 2
+    assert two.engine_threads() == 1
+    assert auto.placed_on(["cuda"]).devices == ["cuda"] and auto.placed_on(["cuda"]).split()
+    # One engine where asked for one process, where threads leave no room, on one CPU.
+    assert Settings(model_id="m", placement="in-process").placed_on(["cpu"]).devices == ["cpu"]
+    assert Settings(model_id="m", threads=2).placed_on(["cpu"]).devices == ["cpu"]
+    monkeypatch.setattr(settings_module, "available_cpus", lambda: 1)
+    assert not auto.placed_on(["cpu"]).split()
+    # Named devices are kept as they are.
+    assert Settings(model_id="m", devices="cpu").placed_on(["cpu"]).devices == ["cpu"]
+
+
+def test_one_process_cannot_hold_several_engines() -> None:
+    with pytest.raises(ValueError, match="placement in-process runs one engine"):
+        Settings(model_id="m", placement="in-process", devices="cpu,cpu")
+
+
 async def test_a_cpu_server_on_more_threads_than_cpus_says_so_at_start(
     tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
