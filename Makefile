@@ -61,7 +61,8 @@ bench:
 	$(BIN)/python -m bench.layers
 	$(BIN)/python -m bench.server
 	$(BIN)/python -m bench.batch_wait
-	$(BIN)/python -m bench.workers
+	$(BIN)/python -m bench.placements
+	$(BIN)/python -m bench.serving_cost
 
 # The compose topology (HAProxy, Prometheus, two replicas) without Docker; `make test` runs it too.
 deploy-test: dev system-deps

@@ -48,7 +48,7 @@ def parse_body(model: type[Model], raw: bytes, content_type: str) -> Model:
 
 def _loads(raw: bytes) -> Any:
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a leading byte order mark may be ignored (RFC 8259)
     except UnicodeDecodeError as exc:
         raise MalformedRequestError("the body is not UTF-8, as JSON must be") from exc
     try:

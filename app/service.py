@@ -331,7 +331,7 @@ class Watch:
     that task would cost more than a short request's own work, and a client that leaves
     sooner leaves at most that long of work behind."""
 
-    __slots__ = ("_deadline", "_disconnected", "_error", "_loop", "_pending", "_timer", "_watcher")
+    __slots__ = ("_deadline", "_disconnected", "_pending", "_watch", "_watcher")
 
     def __init__(
         self,
@@ -340,28 +340,31 @@ class Watch:
         error: Callable[[], ServiceError],
         disconnected: DisconnectWatch | None,
     ) -> None:
-        self._loop = loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         self._pending = pending
-        self._deadline = loop.time() + left
-        self._error = error
         self._disconnected = disconnected
         self._watcher: asyncio.Future[None] | None = None
-        self._timer = loop.call_later(min(left, WATCH_AFTER), self._tick)
+        # Two timers, each with one job: an event loop may run a timer a little early
+        # (uvloop counts whole milliseconds), so neither checks the clock again.
+        self._deadline = loop.call_later(left, lambda: pending.abort(error()))
+        self._watch = (
+            loop.call_later(WATCH_AFTER, self._start_watching)
+            if disconnected is not None and left > WATCH_AFTER
+            else None
+        )
 
-    def _tick(self) -> None:
-        if self._loop.time() >= self._deadline:
-            self._pending.abort(self._error())
-            return
-        if self._disconnected is not None:
-            self._watcher = asyncio.ensure_future(self._disconnected())
-            self._watcher.add_done_callback(self._on_disconnect)
-        self._timer = self._loop.call_at(self._deadline, self._tick)
+    def _start_watching(self) -> None:
+        assert self._disconnected is not None, "only scheduled with a watch"
+        self._watcher = asyncio.ensure_future(self._disconnected())
+        self._watcher.add_done_callback(self._on_disconnect)
 
     def _on_disconnect(self, watcher: asyncio.Future[None]) -> None:
         if not watcher.cancelled():  # cancelled: the request ended first
             self._pending.abort(ClientDisconnectedError("the client disconnected"))
 
     def close(self) -> None:
-        self._timer.cancel()
+        self._deadline.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
         if self._watcher is not None:
             self._watcher.cancel()

@@ -161,11 +161,12 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def _forward(self, sig: int, frame: FrameType | None) -> None:
-        """A stop signal: the front ends drain (the engines once they are gone)."""
+        """A stop signal: the front ends drain (the engines once they are gone; before
+        there are front ends, the engines stop at once, with SIGTERM)."""
         self.stopping.set()
         for process in self.frontends or self.engines:
             if process.pid is not None and process.exitcode is None:
-                os.kill(process.pid, sig)
+                os.kill(process.pid, sig if self.frontends else signal.SIGTERM)
 
     def _start_engines(self) -> ModelCard | None:
         """Every engine loaded and warmed up: the model's card (the same from each), or
@@ -189,6 +190,8 @@ class Supervisor:
                 kind, value = link.recv()
             except EOFError:
                 kind, value = "error", f"the engine process exited with {process.exitcode}"
+            if self.stopping.is_set():  # stopped while it loaded, as asked
+                return None
             if kind == "error":
                 log.error("engine %d (%s) failed to start: %s", index, process.name, value)
                 self.code = 1

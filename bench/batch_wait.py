@@ -25,7 +25,7 @@ def main() -> None:
     args = parser.parse_args()
     bodies = [orjson.dumps({"inputs": s}).decode() for s in short_sentences(4096)]
     servers = {
-        name: Server(["--device", "cpu", "--threads", "2", *flags])
+        name: Server(["--devices", "cpu", "--threads", "2", *flags])
         for name, flags in CONFIGS.items()
     }
     rates: dict[str, list[float]] = {name: [] for name in servers}

@@ -219,7 +219,7 @@ class Server:
         else:
             env.pop("MALLOC_ARENA_MAX", None)
             entry = ["-m", "app"]
-        args = ["--host", HOST, "--port", str(self.port), "--device", "cpu", *flags]
+        args = ["--host", HOST, "--port", str(self.port), "--devices", "cpu", *flags]
         self.log = log
         with log.open("w") as out:
             self.process = subprocess.Popen(

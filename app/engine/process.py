@@ -66,9 +66,21 @@ class FrontEnd:
                 try:
                     view = view[self.sock.send(view) :]
                 except BlockingIOError:
-                    select.select([], [self.sock], [], POLL_SECONDS)
+                    self._wait_for_room()
                 except OSError:
                     self.gone = True
+
+    def _wait_for_room(self) -> None:
+        try:
+            select.select([], [self.sock], [], POLL_SECONDS)
+        except (OSError, ValueError):  # closed meanwhile
+            self.gone = True
+
+    def close(self) -> None:
+        """Once the front end has gone; after any write in progress."""
+        with self.lock:
+            self.gone = True
+            self.sock.close()
 
 
 # A request's inputs in the queue, by its front end and the front end's number for it.
@@ -111,7 +123,8 @@ class EngineProcess:
         listener.setblocking(False)
         gc.collect()
         gc.freeze()  # see app/service.py: start-up's objects out of the collector's sight
-        signal.signal(signal.SIGTERM, self._stop)
+        for stop in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(stop, self._stop)
         ready.send(("ready", card))
         ready.close()
         with selectors.DefaultSelector() as selector:
@@ -137,7 +150,11 @@ class EngineProcess:
         return 0
 
     def _accept(self, selector: selectors.BaseSelector, listener: socket.socket) -> None:
-        sock, _ = listener.accept()
+        try:
+            sock, _ = listener.accept()
+        except OSError:  # the front end gave up meanwhile, or no descriptor is left
+            log.warning("engine %d: a front end's connection failed", self.index, exc_info=True)
+            return
         sock.setblocking(False)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         selector.register(sock, selectors.EVENT_READ, FrontEnd(sock))
@@ -151,10 +168,12 @@ class EngineProcess:
             data = b""
         if not data:  # the front end has gone: nobody waits for its requests
             selector.unregister(frontend.sock)
-            frontend.sock.close()
-            frontend.gone = True
-            for key in [key for key in self.tickets if key[0] is frontend]:
-                self.tickets.pop(key).abandoned = True
+            frontend.close()
+            # The compute thread pops tickets meanwhile: iterate over a copy (taken at once,
+            # under the GIL), and take each one only if it is still there.
+            for key in list(self.tickets):
+                if key[0] is frontend and (ticket := self.tickets.pop(key, None)) is not None:
+                    ticket.abandoned = True
             return
         arrived: list[tuple[Ticket, float | None]] = []
         for raw in frontend.frames.feed(data):
@@ -176,9 +195,9 @@ class EngineProcess:
         refused = self.model.batcher.submit_all(arrived)
         failures = []
         for (ticket, _), error in zip(arrived, refused, strict=True):
-            if error is not None:
-                key: Key = ticket.reply_to  # type: ignore[assignment]
-                del self.tickets[key]
+            key: Key = ticket.reply_to  # type: ignore[assignment]
+            # Not there: aborted in the same read; its front end waits for nothing.
+            if error is not None and self.tickets.pop(key, None) is not None:
                 failures.append(framed(failure_reply(key[1], error)))
         if failures:
             frontend.write(b"".join(failures))

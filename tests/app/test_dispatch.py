@@ -100,3 +100,7 @@ async def test_the_schema_still_says_what_is_refused(tiny_checkpoint: Path) -> N
     assert branches[0]["type"] == "string" and branches[0]["minLength"] == 1
     assert branches[1]["type"] == "array" and branches[1]["minItems"] == 1
     assert branches[2]["minItems"] == 1 and branches[2]["maxItems"] >= 1
+
+
+def test_a_byte_order_mark_is_ignored() -> None:
+    assert parse_body(EmbedRequest, b'\xef\xbb\xbf{"inputs": "a"}', JSON).inputs == "a"

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 
+from app.engine.protocol import Outcome
 from app.engine.remote import RemoteEngine
+from app.errors import DeadlineError, ServiceError
+from app.service import WATCH_AFTER, Watch
 from tests.app.conftest import make_settings, running_app, service_of, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -83,3 +86,30 @@ async def test_an_overloaded_engine_is_refused_by_the_front_end_with_retry_after
         assert refused.json()["error_type"] == "Overloaded"
         assert len(engine.links[0].pending) == sent_before  # refused before anything was sent
         assert (await busy).status_code == 200
+
+
+class CountingPending:
+    def __init__(self) -> None:
+        self.future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self.errors: list[ServiceError] = []
+
+    def abort(self, error: ServiceError) -> None:
+        self.errors.append(error)
+
+
+async def test_the_watch_aborts_once_and_watches_only_requests_that_wait() -> None:
+    watched = 0
+
+    async def disconnected() -> None:
+        nonlocal watched
+        watched += 1
+        await asyncio.Event().wait()  # the client never leaves
+
+    quick = CountingPending()
+    Watch(quick, 0.01, lambda: DeadlineError("late"), disconnected)
+    slow = CountingPending()
+    waiting = Watch(slow, 5.0, lambda: DeadlineError("late"), disconnected)
+    await asyncio.sleep(WATCH_AFTER + 0.1)
+    assert [type(error) for error in quick.errors] == [DeadlineError]
+    assert watched == 1 and slow.errors == []  # only the one that waited past WATCH_AFTER
+    waiting.close()

@@ -38,7 +38,7 @@ from tests.deploy.topology import (
 pytestmark = pytest.mark.slow
 HOSTS = ["127.0.0.2", "127.0.0.3"]
 REPLICA_FLAGS = ("--devices", "cpu", "--threads", "1", "--shutdown-grace", "20", "--access-log")
-READY_LINE = "app.service: ready:"
+READY_LINE = "app.engine.model_engine: ready:"
 DRAIN_LINE = "app.service: draining:"
 
 

@@ -1,0 +1,92 @@
+"""The engine process's main thread, with a stand-in for its model: what one read from a
+front end may hold, and a front end that goes away."""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
+
+import pytest
+
+from app.engine.batcher import Ticket
+from app.engine.process import EngineProcess, FrontEnd
+from app.engine.protocol import Wants
+from app.engine.wire import Abort, Frames, framed, reply_decoder, submit_message
+from app.errors import OverloadedError, ServiceError
+from model.tokenizer import Encoded
+
+
+class RefusingBatcher:
+    """Refuses every request, as a full queue does."""
+
+    def __init__(self) -> None:
+        self.seen: list[Ticket] = []
+
+    def submit_all(
+        self, tickets: Sequence[tuple[Ticket, float | None]]
+    ) -> list[ServiceError | None]:
+        self.seen.extend(ticket for ticket, _ in tickets)
+        return [OverloadedError("full", retry_after=1) for _ in tickets]
+
+
+@pytest.fixture
+def engine() -> Iterator[tuple[EngineProcess, socket.socket, FrontEnd]]:
+    process = EngineProcess.__new__(EngineProcess)
+    process.index = 0
+    process.tickets = {}
+    process.model = SimpleNamespace(batcher=RefusingBatcher())  # type: ignore[assignment]
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.setblocking(False)
+    with ours, theirs:
+        yield process, ours, FrontEnd(theirs)
+
+
+def submit(request: int) -> bytes:
+    encoded = [Encoded([2, 5, 3], [], None, [], False)]
+    return framed(submit_message(request, 10.0, encoded, Wants()))
+
+
+def test_a_refused_request_gets_its_429(
+    engine: tuple[EngineProcess, socket.socket, FrontEnd],
+) -> None:
+    process, ours, frontend = engine
+    ours.sendall(submit(7))
+    process._read(selector_for(frontend), frontend)
+    [message] = Frames().feed(ours.recv(65536))
+    reply = reply_decoder.decode(message)
+    assert reply.request == 7 and reply.failure is not None
+    assert reply.failure.error_type == "Overloaded" and reply.failure.retry_after == 1
+    assert process.tickets == {}
+
+
+def test_a_request_aborted_in_the_same_read_is_refused_without_a_word(
+    engine: tuple[EngineProcess, socket.socket, FrontEnd],
+) -> None:
+    process, ours, frontend = engine
+    ours.sendall(submit(7) + framed(Abort(7)))
+    process._read(selector_for(frontend), frontend)  # no KeyError
+    ours.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        ours.recv(65536)  # nothing to say: nobody waits for it
+    assert process.tickets == {}
+
+
+def test_a_front_end_that_goes_away_abandons_its_requests(
+    engine: tuple[EngineProcess, socket.socket, FrontEnd],
+) -> None:
+    process, ours, frontend = engine
+    ticket = Ticket([Encoded([2, 3], [], None, [], False)], Wants(), time.perf_counter(), None)
+    process.tickets[(frontend, 1)] = ticket
+    ours.close()
+    process._read(selector_for(frontend), frontend)
+    assert ticket.abandoned and process.tickets == {} and frontend.gone
+    frontend.write(b"more")  # a late reply goes nowhere, and raises nothing
+
+
+def selector_for(frontend: FrontEnd) -> selectors.BaseSelector:
+    selector = selectors.DefaultSelector()
+    selector.register(frontend.sock, selectors.EVENT_READ, frontend)
+    return selector
