@@ -24,9 +24,13 @@ TEXTS = ["The cat sits on the mat.", "A dog plays in the park.", "Größe 東京
 TOLERANCE = 1e-6
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = ServerProcess(tmp_path_factory.mktemp("clients"), "--dtype", "float32")
+@pytest.fixture(scope="module", params=["in-process", "split"])
+def server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ServerProcess]:
+    """The real server with the engine in its process, and in one of its own."""
+    folder = tmp_path_factory.mktemp("clients")
+    process = ServerProcess(folder, "--dtype", "float32", "--placement", request.param)
     try:
         process.wait_ready()
         yield process

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -30,7 +31,13 @@ from app.main import create_app
 from app.schemas import BOUND
 from model import InputError
 from model.heads import Splade
-from tests.app.conftest import local_engine, make_settings, running_app, service_of, wait_until
+from tests.app.conftest import (
+    engine_process,
+    make_settings,
+    running_app,
+    service_of,
+    wait_until,
+)
 from tests.helpers import TINY_CONFIG, TINY_VOCAB, make_random_checkpoint
 from tests.task_checkpoints import save_task_model, write_splade_folder
 
@@ -132,9 +139,9 @@ def run_schemathesis(app: FastAPI, *, headers: dict[str, str] | None = None) -> 
         }
     )
     schema = schemathesis.openapi.from_asgi("/openapi.json", app, config=config)
-    embedder = local_engine(app).embedder
-    assert embedder is not None
-    limit = embedder.info.max_input_tokens
+    codec = service_of(app).codec
+    assert codec is not None
+    limit = codec.info.max_input_tokens
 
     def fits(body: dict[str, Any]) -> bool:
         """Whether the texts together (a pair's template adds up to 3 special tokens) are
@@ -142,7 +149,7 @@ def run_schemathesis(app: FastAPI, *, headers: dict[str, str] | None = None) -> 
         total = 3
         for text in texts_in(body):
             try:
-                [encoded] = embedder.tokenize([text], truncate=False, add_special_tokens=False)
+                [encoded] = codec.tokenize([text], truncate=False, add_special_tokens=False)
             except InputError:
                 return False
             total += len(encoded.ids)
@@ -186,15 +193,28 @@ def run_schemathesis(app: FastAPI, *, headers: dict[str, str] | None = None) -> 
 
 
 @pytest.mark.parametrize(
-    ("kind", "api_key"),
-    [("embedding", None), ("embedding", API_KEY), ("reranker", None), ("splade", None)],
-    ids=["embedding", "embedding-with-api-key", "reranker", "splade"],
+    ("kind", "api_key", "placement"),
+    [
+        ("embedding", None, "in-process"),
+        ("embedding", API_KEY, "in-process"),
+        ("reranker", None, "in-process"),
+        ("splade", None, "in-process"),
+        ("embedding", None, "split"),
+    ],
+    ids=["embedding", "embedding-with-api-key", "reranker", "splade", "embedding-split"],
 )
 def test_the_service_keeps_its_published_contract(
-    tmp_path: Path, stop_lifespans: None, kind: str, api_key: str | None
+    tmp_path: Path, stop_lifespans: None, kind: str, api_key: str | None, placement: str
 ) -> None:
-    app = create_app(make_settings(checkpoint_of(kind, tmp_path / kind), api_key=api_key, **LIMITS))
-    start(app)
+    settings = make_settings(checkpoint_of(kind, tmp_path / kind), api_key=api_key, **LIMITS)
+    with ExitStack() as stack:
+        engine = stack.enter_context(engine_process(settings)) if placement == "split" else None
+        app = create_app(settings, engine)
+        start(app)
+        check_the_contract(app, kind, api_key)
+
+
+def check_the_contract(app: FastAPI, kind: str, api_key: str | None) -> None:
     operations = {
         f"{method.upper()} {path}"
         for path, methods in app.openapi()["paths"].items()
