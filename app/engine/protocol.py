@@ -142,4 +142,5 @@ class Engine(Protocol):
 
     def submit(self, encoded: Sequence[Encoded], wants: Wants, deadline: float) -> Pending:
         """Queue all of a request's inputs or none (OverloadedError); `deadline` is a
-        time.perf_counter() value, the same clock in every process of the machine."""
+        time.perf_counter() value of the calling process (an engine elsewhere is told the
+        seconds left)."""
