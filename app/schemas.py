@@ -7,7 +7,6 @@ Responses are documented here but rendered by orjson straight from numpy arrays.
 from __future__ import annotations
 
 from collections.abc import Sized
-from dataclasses import replace
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -205,12 +204,21 @@ class EmbedRequest(TruncatingRequest):
     )
 
     def options(self) -> EncodeOptions:
-        return replace(super().options(), normalize=self.normalize, dimensions=self.dimensions)
+        # Built whole: dataclasses.replace costs as much as the rest of a request's parsing.
+        return EncodeOptions(
+            self.truncate,
+            self.direction,
+            self.prompt_name,
+            normalize=self.normalize,
+            dimensions=self.dimensions,
+        )
 
 
 class EmbedAllRequest(TruncatingRequest):
     def options(self) -> EncodeOptions:
-        return replace(super().options(), pooled=False, token_embeddings=True)
+        return EncodeOptions(
+            self.truncate, self.direction, self.prompt_name, pooled=False, token_embeddings=True
+        )
 
 
 class TokenizeRequest(TruncatingRequest):
@@ -430,8 +438,10 @@ class EncodeRequest(TruncatingRequest):
     )
 
     def options(self) -> EncodeOptions:
-        return replace(
-            super().options(),
+        return EncodeOptions(
+            self.truncate,
+            self.direction,
+            self.prompt_name,
             normalize=self.normalize,
             dimensions=self.dimensions,
             pooled=self.pooled,

@@ -331,7 +331,7 @@ class Watch:
     that task would cost more than a short request's own work, and a client that leaves
     sooner leaves at most that long of work behind."""
 
-    __slots__ = ("_deadline", "_disconnected", "_pending", "_watch", "_watcher")
+    __slots__ = ("_disconnected", "_error", "_left", "_loop", "_pending", "_timer", "_watcher")
 
     def __init__(
         self,
@@ -340,21 +340,28 @@ class Watch:
         error: Callable[[], ServiceError],
         disconnected: DisconnectWatch | None,
     ) -> None:
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self._pending = pending
+        self._error = error
+        self._left = left
         self._disconnected = disconnected
         self._watcher: asyncio.Future[None] | None = None
-        # Two timers, each with one job: an event loop may run a timer a little early
-        # (uvloop counts whole milliseconds), so neither checks the clock again.
-        self._deadline = loop.call_later(left, lambda: pending.abort(error()))
-        self._watch = (
+        # One timer for a request answered within WATCH_AFTER (most are); a longer one gets
+        # its watcher then, and a timer for its deadline. Neither timer looks at the clock:
+        # an event loop may run one a little early (uvloop counts whole milliseconds).
+        watch = disconnected is not None and left > WATCH_AFTER
+        self._timer = (
             loop.call_later(WATCH_AFTER, self._start_watching)
-            if disconnected is not None and left > WATCH_AFTER
-            else None
+            if watch
+            else loop.call_later(left, self._expire)
         )
+
+    def _expire(self) -> None:
+        self._pending.abort(self._error())
 
     def _start_watching(self) -> None:
         assert self._disconnected is not None, "only scheduled with a watch"
+        self._timer = self._loop.call_later(self._left - WATCH_AFTER, self._expire)
         self._watcher = asyncio.ensure_future(self._disconnected())
         self._watcher.add_done_callback(self._on_disconnect)
 
@@ -363,8 +370,6 @@ class Watch:
             self._pending.abort(ClientDisconnectedError("the client disconnected"))
 
     def close(self) -> None:
-        self._deadline.cancel()
-        if self._watch is not None:
-            self._watch.cancel()
+        self._timer.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
