@@ -3,7 +3,7 @@ workers, as they were first built: a lone pass takes them all.
 
 Each worker's share is `threads` (by default the CPUs over the workers): one-thread passes
 side by side give the most throughput on a small machine, but a request alone would run on
-one core while the others idle (docs: benchmarks). So each forward pass runs on as many
+one core while the others idle (README: Benchmarks). So each forward pass runs on as many
 torch threads as it can take:
 - all the workers' (at most the CPUs), when no other worker is busy (a batch running, or
   waiting for cores, or inputs in its queue, as while it waits for a fuller batch) or was

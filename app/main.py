@@ -37,7 +37,7 @@ UNLIMITED_PATHS = frozenset({"/health", "/live", "/ping", "/metrics"})
 class EmbeddingApp(FastAPI):
     """FastAPI with the service's middleware (app/middleware.py) in front of its whole stack:
     POST routes are answered there (app/dispatch.py), without the framework's own layers on
-    every request (docs: benchmarks); every other request goes on to the framework."""
+    every request (README: Benchmarks); every other request goes on to the framework."""
 
     front: ASGIApp
 

@@ -113,7 +113,7 @@ class ServiceMiddleware:
                 admitted = True
             self._check_key(scope["method"], path, headers)
             if scope["method"] == "POST" and (path == "/" or path in self.post_routes):
-                raw, receive = await self._read_body(headers, receive)
+                raw = await self._read_body(headers, receive)
                 post = (
                     main_route(self.post_routes, self.service, raw)
                     if path == "/"
@@ -165,11 +165,8 @@ class ServiceMiddleware:
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.api_key):
             raise UnauthorizedError("missing or wrong API key (send 'Authorization: Bearer <key>')")
 
-    async def _read_body(
-        self, headers: dict[bytes, bytes], receive: Receive
-    ) -> tuple[bytes, Receive]:
-        """Read the whole body, within the payload limit and the body timeout; return it and
-        a `receive` that hands it on as one message."""
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
+        """Read the whole body, within the payload limit and the body timeout."""
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.payload_limit:
             raise self._too_large()
@@ -189,17 +186,7 @@ class ServiceMiddleware:
             raise SlowBodyError(
                 f"the body did not arrive within the body timeout of {self.body_timeout:g} s"
             ) from exc
-        raw = bytes(body)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()  # later calls wait for the disconnect, as usual
-            replayed = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-
-        return raw, replay
+        return bytes(body)
 
     def _too_large(self) -> PayloadTooLargeError:
         return PayloadTooLargeError(

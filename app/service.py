@@ -226,7 +226,7 @@ class EmbeddingService:
             attention = self.limits.resolve_attention(options.attention, info)
             # A full queue refuses before tokenizing: under overload a 429 then costs next to
             # nothing, and comes fast.
-            self.engine.check_room(0, deadline - time.perf_counter())
+            self.engine.check_room(deadline - time.perf_counter())
             try:
                 encoded, tokenization = await self.tokenization.run(
                     codec, inputs, options, deadline=deadline

@@ -210,7 +210,7 @@ class Settings(BaseSettings):
 
     def frontend_count(self) -> int:
         """On a GPU, half the CPUs (at most 8): the device outruns one event loop many times
-        over. On a CPU, one per engine (docs: benchmarks)."""
+        over. On a CPU, one per engine (README: Benchmarks)."""
         if self.frontends is not None:
             return self.frontends
         return min(8, max(1, available_cpus() // 2)) if self.on_gpu() else len(self.devices)
@@ -218,7 +218,7 @@ class Settings(BaseSettings):
     def placed_on(self, found: list[str]) -> Settings:
         """These settings with `devices` as found on this machine. `auto` that finds the CPU
         runs two engines on it, each on its share of the cores, where the process may use two
-        or more CPUs (measured best at every load on two cores, docs: benchmarks); one where
+        or more CPUs (measured best at every load on two cores, README: Benchmarks); one where
         `threads` leaves no room for two, or one process is asked for."""
         devices = found
         if self.devices == ["auto"] and found == ["cpu"]:
@@ -231,7 +231,7 @@ class Settings(BaseSettings):
     def cpu_oversubscription(self) -> str | None:
         """Why the torch threads asked for would fight over the CPUs, if they would. Each
         pass's threads meet at a barrier after every parallel region, so one descheduled
-        thread holds up the rest (docs: benchmarks)."""
+        thread holds up the rest (README: Benchmarks)."""
         cpus, threads = available_cpus(), self.engine_threads()
         engines = len(self.devices)
         if threads * engines <= cpus:

@@ -125,7 +125,6 @@ class Batcher:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_inputs = max_batch_inputs
         self.max_attention_values = max_attention_values
-        self.max_wait = max_wait
         # The work a request may find ahead of it (by default, all of its time).
         self.admission = Admission(max_wait, max_wait if max_queue_wait is None else max_queue_wait)
         self.batch_wait = batch_wait
@@ -163,8 +162,7 @@ class Batcher:
         if self.cores is not None:
             self.cores.set_busy(bool(self._queue) or self._running_tokens > 0)
         if self._publish_state is not None:
-            backlog = self._queued_tokens + self._running_tokens
-            self._publish_state(backlog, self.seconds_per_token)
+            self._publish_state(self._backlog, self.seconds_per_token)
 
     # State ----------------------------------------------------------------------------
     @property
@@ -179,10 +177,10 @@ class Batcher:
     def seconds_per_token(self) -> float:
         return self._seconds / self._tokens
 
-    def estimated_wait(self, extra_tokens: int = 0) -> float:
-        """Seconds until `extra_tokens` more would be done, at the recent pace."""
-        backlog = self._queued_tokens + self._running_tokens + extra_tokens
-        return backlog * self.seconds_per_token
+    @property
+    def _backlog(self) -> int:
+        """Tokens queued and running."""
+        return self._queued_tokens + self._running_tokens
 
     # Lifecycle ------------------------------------------------------------------------
     def publish_to(self, publish: Callable[[int, float], None]) -> None:
@@ -227,7 +225,8 @@ class Batcher:
                 try:
                     if self.crashed is not None:
                         raise BackendError("the batch worker has stopped")
-                    self._check_room(ticket.tokens, self.max_wait if within is None else within)
+                    limit = self.admission.max_wait if within is None else within
+                    self._check_room(ticket.tokens, limit)
                 except ServiceError as error:
                     refused.append(error)
                     continue
@@ -254,8 +253,7 @@ class Batcher:
             raise error
 
     def _verdict(self, tokens: int, within: float) -> OverloadedError | None:
-        backlog = self._queued_tokens + self._running_tokens
-        return self.admission.verdict(backlog, tokens, self.seconds_per_token, within)
+        return self.admission.verdict(self._backlog, tokens, self.seconds_per_token, within)
 
     # Worker thread --------------------------------------------------------------------
     def _run(self) -> None:

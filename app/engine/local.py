@@ -10,16 +10,14 @@ import logging
 import time
 from collections.abc import Sequence
 
-from app.cores import CoreLease
-from app.engine.batcher import Batcher, Deliver, Delivery, Ticket
+from app.engine.batcher import Deliver, Delivery, Ticket
 from app.engine.model_engine import ModelEngine
 from app.engine.protocol import Outcome, Wants
 from app.errors import ServiceError
 from app.metrics import Metrics
 from app.settings import Settings
-from model import Embedder, Encoded
+from model import Encoded
 from model.codec import ModelCard
-from model.shared_weights import WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -38,24 +36,9 @@ class LocalPending:
 
 
 class LocalEngine:
-    def __init__(
-        self,
-        settings: Settings,
-        metrics: Metrics,
-        device: str | None = None,
-        cores: CoreLease | None = None,
-        weights: WeightStore | None = None,
-    ) -> None:
-        self.model = ModelEngine(settings, metrics, device or settings.devices[0], cores, weights)
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.model = ModelEngine(settings, metrics, settings.devices[0])
         self._loop: asyncio.AbstractEventLoop | None = None
-
-    @property
-    def embedder(self) -> Embedder | None:
-        return self.model.embedder
-
-    @property
-    def batcher(self) -> Batcher | None:
-        return self.model.batcher
 
     async def start(self) -> ModelCard:
         self._loop = asyncio.get_running_loop()
@@ -68,7 +51,7 @@ class LocalEngine:
     def alive(self) -> bool:
         return self.model.alive
 
-    def check_room(self, tokens: int, within: float) -> None:
+    def check_room(self, within: float) -> None:
         assert self.model.batcher is not None, "started"
         self.model.batcher.check_room(within)
 

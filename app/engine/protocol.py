@@ -137,8 +137,9 @@ class Engine(Protocol):
     def alive(self) -> bool:
         """False once the engine has died: only a restart helps."""
 
-    def check_room(self, tokens: int, within: float) -> None:
-        """OverloadedError (429) unless `tokens` more would finish within `within` seconds."""
+    def check_room(self, within: float) -> None:
+        """OverloadedError (429) unless the queued work would finish within `within`
+        seconds: asked before tokenizing, so that refusing costs nothing."""
 
     def submit(self, encoded: Sequence[Encoded], wants: Wants, deadline: float) -> Pending:
         """Queue all of a request's inputs or none (OverloadedError); `deadline` is a

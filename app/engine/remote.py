@@ -4,7 +4,7 @@ One Unix stream socket to each engine, carrying length-framed msgpack both ways
 (app/engine/wire.py), read and written by the front end's own event loop: no thread and no
 broker between the two processes, one system call per message each way. (ZeroMQ, tried
 first, hands every message to I/O threads of its own on both sides: a round trip cost three
-times as much CPU; docs: decisions.) Work goes to the engine that would finish it first by
+times as much CPU; README: Choices.) Work goes to the engine that would finish it first by
 the backlog each publishes (app/engine/state.py), which also decides the fast 429. An engine
 whose connection closes has died: its requests fail, and /live says so.
 """
@@ -105,6 +105,8 @@ class EngineLink(asyncio.Protocol):
         self.pending.clear()
 
     def close(self) -> None:
+        """At the front end's stop: nothing is written after it."""
+        self.closed = True
         if self._transport is not None:
             self._transport.close()
 
@@ -142,8 +144,8 @@ class RemoteEngine:
     def alive(self) -> bool:
         return not any(link.closed for link in self.links)
 
-    def check_room(self, tokens: int, within: float) -> None:
-        self._admit(self._choose(), tokens, within)
+    def check_room(self, within: float) -> None:
+        self._admit(self._choose(), 0, within)
 
     def submit(self, encoded: Sequence[Encoded], wants: Wants, deadline: float) -> RemotePending:
         assert self._loop is not None, "started"

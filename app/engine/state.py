@@ -10,7 +10,6 @@ is being written costs one admission decision a few tokens off.
 from __future__ import annotations
 
 import mmap
-import os
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,6 @@ class EngineBoard:
         """A zeroed board, made by the supervisor."""
         with path.open("wb") as file:
             file.truncate(engines * FIELDS * 8)
-            os.fsync(file.fileno())
         return cls(path, engines)
 
     def __len__(self) -> int:

@@ -16,12 +16,7 @@ import msgspec
 import numpy as np
 
 from app.engine.protocol import ItemResult, Outcome, Output, Wants
-from app.errors import (
-    BackendError,
-    OverloadedError,
-    ServiceError,
-    UnavailableError,
-)
+from app.errors import BackendError, OverloadedError, ServiceError
 from model.info import AttentionSpec
 from model.tokenizer import Encoded
 
@@ -44,7 +39,7 @@ class Frames:
     def __init__(self) -> None:
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes) -> list[bytearray]:
         buffer = self._buffer
         buffer += data
         messages = []
@@ -54,7 +49,7 @@ class Frames:
             end = start + HEADER.size + size
             if len(buffer) < end:
                 break
-            messages.append(bytes(buffer[start + HEADER.size : end]))
+            messages.append(buffer[start + HEADER.size : end])  # a copy: the buffer moves on
             start = end
         del buffer[:start]
         return messages
@@ -110,12 +105,6 @@ ToEngine = Submit | Abort
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 encoder = msgspec.msgpack.Encoder()
-
-# Errors an engine sends back, by their error_type, rebuilt as raised on the front end.
-_ERRORS: dict[str, type[ServiceError]] = {
-    "Backend": BackendError,
-    "Unhealthy": UnavailableError,
-}
 
 
 def submit_message(request: int, left: float, encoded: Sequence[Encoded], wants: Wants) -> Submit:
@@ -253,6 +242,7 @@ def _attention(reply: Reply, count: int) -> list[dict[int, np.ndarray]] | None:
 
 
 def _error(failure: Failure) -> ServiceError:
+    """An engine refuses work (429) or fails it (500): the two errors it raises."""
     if failure.error_type == OverloadedError.error_type:
         return OverloadedError(failure.message, retry_after=failure.retry_after)
-    return _ERRORS.get(failure.error_type, ServiceError)(failure.message)
+    return BackendError(failure.message)

@@ -19,9 +19,6 @@ from app.errors import WrongTaskError
 from model.info import ModelInfo, Task
 from model.vectors import FloatArray
 
-# Routes any model serves: per-token states, tokens, attention maps.
-SHARED_PATHS = frozenset({"/embed_all", "/tokenize", "/decode"})
-
 
 @dataclass(frozen=True)
 class TaskSpec:

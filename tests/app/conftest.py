@@ -122,7 +122,7 @@ class GatedForward:
     """Wraps the model's forward pass: counts calls, can hold them, can fail some."""
 
     def __init__(self, service: EmbeddingService) -> None:
-        embedder = local_engine(service).embedder
+        embedder = local_engine(service).model.embedder
         assert embedder is not None
         self.original = embedder.forward
         self.gate = threading.Event()

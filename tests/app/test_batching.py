@@ -40,7 +40,7 @@ async def test_concurrent_requests_are_batched_and_equal_to_alone(tiny_checkpoin
         gate = GatedForward(service_of(app))
         gate.gate.clear()  # hold the worker so that the concurrent requests queue up together
         tasks = [asyncio.create_task(client.post("/embed", json={"inputs": s})) for s in SENTENCES]
-        batcher = local_engine(app).batcher
+        batcher = local_engine(app).model.batcher
         assert batcher is not None
         # Every input is either queued or in the batch the held worker took.
         await wait_until(lambda: batcher.depth + sum(map(len, gate.batches)) == len(SENTENCES))
@@ -73,7 +73,7 @@ async def test_queue_bounded_in_work_answers_429_and_loses_nothing(tiny_checkpoi
     0.01 s per token, so 100 tokens; each "fox i" request holds 4 of them."""
     settings = make_settings(tiny_checkpoint, request_timeout=1.0, max_batch_inputs=1)
     async with running_app(settings) as (app, client):
-        batcher = local_engine(app).batcher
+        batcher = local_engine(app).model.batcher
         assert batcher is not None
         gate = GatedForward(service_of(app))
         first = await gate.hold(client)  # the worker holds "hello" (3 tokens)
@@ -159,7 +159,7 @@ async def test_a_cancelled_request_is_dropped_before_it_runs(tiny_checkpoint: Pa
         gate = GatedForward(service)
         held = await gate.hold(client)
         queued = asyncio.create_task(service.encode(["fox"], EncodeOptions()))
-        batcher = local_engine(service).batcher
+        batcher = local_engine(service).model.batcher
         assert batcher is not None
         await wait_until(lambda: batcher.depth == 1)
         queued.cancel()

@@ -95,7 +95,7 @@ async def test_a_dead_worker_fails_liveness_and_what_waits(
 ) -> None:
     async with running_app(make_settings(tiny_checkpoint, max_batch_inputs=1)) as (app, client):
         service = service_of(app)
-        batcher = local_engine(service).batcher
+        batcher = local_engine(service).model.batcher
         assert batcher is not None
         gate = GatedForward(service)
         running = await gate.hold(client)
@@ -127,7 +127,7 @@ async def test_a_dead_worker_fails_liveness_and_what_waits(
 async def test_out_of_memory_splits_the_batch_down_to_the_culprit(tiny_checkpoint: Path) -> None:
     async with running_app(make_settings(tiny_checkpoint)) as (app, client):
         gate = GatedForward(service_of(app))
-        batcher = local_engine(app).batcher
+        batcher = local_engine(app).model.batcher
         assert batcher is not None
         gate.error = lambda: torch.OutOfMemoryError("injected: CUDA out of memory")
         # Any batch holding "fox" runs out of memory, as a too-long input would.
@@ -160,7 +160,7 @@ async def test_a_failed_batch_fails_only_the_request_the_model_fails_on(
     the one that fails alone gets the error (one bad request never fails another)."""
     async with running_app(make_settings(tiny_checkpoint)) as (app, client):
         gate = GatedForward(service_of(app))
-        batcher = local_engine(app).batcher
+        batcher = local_engine(app).model.batcher
         assert batcher is not None
         gate.fail_when = lambda batch: any(FOX in ids for ids in batch)
         held = await gate.hold(client, "dog")
@@ -220,7 +220,7 @@ async def test_inputs_dropped_for_gone_clients_leave_the_queue_gauges_at_zero(
     saying it held them."""
     async with running_app(make_settings(tiny_checkpoint, max_batch_inputs=1)) as (app, client):
         service = service_of(app)
-        batcher = local_engine(service).batcher
+        batcher = local_engine(service).model.batcher
         assert batcher is not None
         gate = GatedForward(service)
         held = await gate.hold(client)

@@ -103,7 +103,7 @@ async def test_a_cpu_server_on_more_threads_than_cpus_says_so_at_start(
 async def test_the_prepack_setting_reaches_the_model(tiny_checkpoint: Path, prepack: bool) -> None:
     """On by default: a CPU server's linear layers run prepacked (model/prepacked.py)."""
     async with running_app(make_settings(tiny_checkpoint, prepack=prepack)) as (app, client):
-        embedder = local_engine(app).embedder
+        embedder = local_engine(app).model.embedder
         assert embedder is not None and (embedder.prepacked > 0) is prepack
         assert (await client.post("/embed", json={"inputs": "hello"})).status_code == 200
 
