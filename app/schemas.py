@@ -510,6 +510,7 @@ class InfoResponse(BaseModel):
     )
     labels: list[str] = Field(description="A classifier's labels, in the order of its logits.")
     architecture: str = Field(description="config.json's model_type: bert, roberta, ...")
+    positions: str = Field(description="The position scheme: learned, rotary, alibi, ...")
     dimensions: int = Field(description="Size of the pooled vectors (after any Dense layer).")
     hidden_size: int = Field(description="Size of the per-token vectors.")
     max_input_tokens: int

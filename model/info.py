@@ -21,6 +21,7 @@ class ModelInfo:
 
     model_id: str
     model_type: str
+    positions: str  # the position scheme (model/architectures/)
     # Of the outputs: the pipeline's vectors (after any Dense layer, cut to the folder's
     # truncate_dim; a request may ask for fewer); for classify the labels; for sparse the
     # vocabulary.

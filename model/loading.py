@@ -104,6 +104,7 @@ def load_model(
     info = ModelInfo(
         model_id=model_id or str(folder),
         model_type=config.model_type,
+        positions=config.positions,
         dimensions=dimensions,
         hidden_size=config.hidden_size,
         max_input_tokens=max_tokens,

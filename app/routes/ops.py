@@ -41,6 +41,7 @@ async def info(service: ServiceDep) -> JSONResponse:
             "task": str(model.task),
             "labels": list(model.labels),
             "architecture": model.model_type,
+            "positions": model.positions,
             "dimensions": model.dimensions,
             "hidden_size": model.hidden_size,
             "max_input_tokens": model.max_input_tokens,

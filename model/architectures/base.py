@@ -100,6 +100,11 @@ class EncoderConfig:
         """How many tokens the position scheme can number."""
         raise NotImplementedError
 
+    @property
+    def positions(self) -> str:
+        """The position scheme, as /info names it: `learned`, `rotary`, `alibi`, ..."""
+        raise NotImplementedError
+
     @classmethod
     def from_hf(cls, config: ConfigReader) -> EncoderConfig:
         """Build from a Hugging Face `config.json`."""

@@ -68,6 +68,10 @@ class BertConfig(EncoderConfig):
     def max_positions(self) -> int:
         return self.max_position_embeddings - self.position_offset
 
+    @property
+    def positions(self) -> str:
+        return self.position_kind
+
     @classmethod
     def from_hf(cls, config: ConfigReader) -> BertConfig:
         model_type = str(config.raw["model_type"])

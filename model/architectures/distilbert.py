@@ -32,6 +32,10 @@ class DistilBertConfig(EncoderConfig):
     def max_positions(self) -> int:
         return self.max_position_embeddings
 
+    @property
+    def positions(self) -> str:
+        return "learned"  # a sinusoidal table is saved with the weights: learned to this code
+
     @classmethod
     def from_hf(cls, config: ConfigReader) -> DistilBertConfig:
         # `sinusoidal_pos_embds` needs nothing here: transformers writes the fixed table into

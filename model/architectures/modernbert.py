@@ -19,6 +19,7 @@ from model.architectures.bert import ACTIVATIONS, Activation, activate
 from model.attention import NO_MAPS, MapRequest, attend
 from model.errors import ConfigError
 from model.packing import TokenLayout, in_row_chunks
+from model.rotary import rotary_tables, rotate
 
 # The bias switches (`attention_bias`, `mlp_bias`, `norm_bias`) take JSON booleans only.
 FLAGS = {False: False, True: True}
@@ -52,6 +53,10 @@ class ModernBertConfig(EncoderConfig):
     @property
     def max_positions(self) -> int:
         return self.max_position_embeddings
+
+    @property
+    def positions(self) -> str:
+        return "rotary"
 
     @classmethod
     def from_hf(cls, config: ConfigReader) -> ModernBertConfig:
@@ -109,28 +114,6 @@ def rope_theta(config: ConfigReader, layer_type: str, flat_key: str, default: fl
     nested = ConfigReader(entry, f"{config.source}: rope_parameters.{layer_type}")
     nested.expect("rope_type", "default", "default")
     return nested.number("rope_theta", config.number(flat_key, default))
-
-
-def rotary_tables(
-    theta: float, head_dim: int, width: int, device: torch.device, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """(T, hd) cos and sin for positions 0..T-1 (every row starts at 0: padding is on the
-    right). The frequencies are computed here in float32, not kept in a buffer that `.to(dtype)`
-    would round to half precision (transformers keeps them in float32 too); the tables are
-    rounded to the model's dtype as transformers rounds them."""
-    inverse = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    position = torch.arange(width, device=device, dtype=torch.float)
-    angles = position[:, None] * inverse[None, :]  # (T, hd / 2)
-    angles = torch.cat((angles, angles), dim=-1)  # (T, hd): both halves of a pair turn alike
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """(B, H, T, hd) queries or keys turned by their positions, in float32."""
-    x32 = x.float()
-    first, second = x32.chunk(2, dim=-1)
-    turned = x32 * cos + torch.cat((-second, first), dim=-1) * sin
-    return turned.to(x.dtype)
 
 
 class Embeddings(nn.Module):

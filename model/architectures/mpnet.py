@@ -40,6 +40,10 @@ class MPNetConfig(EncoderConfig):
     def max_positions(self) -> int:
         return self.max_position_embeddings - POSITION_OFFSET
 
+    @property
+    def positions(self) -> str:
+        return "learned + relative buckets"
+
     @classmethod
     def from_hf(cls, config: ConfigReader) -> MPNetConfig:
         config.expect("relative_attention_num_buckets", NUM_BUCKETS, NUM_BUCKETS)

@@ -92,7 +92,7 @@ async def test_decode_ping_info_and_timing_headers(
     assert many.json() == ["[CLS] hello [SEP]", "world"]
     assert outside.status_code == 422
     assert ping.status_code == 200 and ping.json() == {"status": "ok"}
-    assert info["architecture"] == "bert"
+    assert info["architecture"] == "bert" and info["positions"] == "learned"
     assert info["model_type"] == {"embedding": {"pooling": "mean"}}
     assert info["model_dtype"] == "float32" and info["max_input_length"] == 48
     assert info["max_client_batch_size"] == 2048 and info["tokenization_workers"] == 2
