@@ -57,6 +57,8 @@ test: dev system-deps lint
 	$(BIN)/python -m pytest
 
 bench:
+	$(PIP) -c constraints.txt -e '.[bench]'
+	$(BIN)/python -m bench.onnx_compare
 	$(BIN)/python -m bench.encoder
 	$(BIN)/python -m bench.layers
 	$(BIN)/python -m bench.server

@@ -33,3 +33,12 @@ def short_sentences(count: int, seed: int = 0) -> list[str]:
 def long_passages(count: int, seed: int = 0, words: int = 190) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(count)]
+
+
+def varied_sentences(count: int, seed: int = 0) -> list[str]:
+    """Sentences of 3 to 40 words, most near a dozen, as STS-B's are (with fewer words
+    to choose from: no data set is downloaded)."""
+    rng = random.Random(seed)
+    vocabulary = WORDS + [word for phrase in SUBJECTS + OBJECTS for word in phrase.split()]
+    lengths = [min(40, max(3, round(rng.lognormvariate(2.4, 0.5)))) for _ in range(count)]
+    return [" ".join(rng.choice(vocabulary) for _ in range(n)).capitalize() + "." for n in lengths]

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from model.errors import ConfigError
+from model.int8 import INT8, int8_unavailable
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # CPU flags (as Linux lists them) of instructions that compute bfloat16 natively.
@@ -18,10 +19,12 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 class DtypeChoice:
     dtype: torch.dtype
     reason: str
+    # The encoder's linear layers in int8 (model/int8.py); `dtype` is then everything else's.
+    int8: bool = False
 
     @property
     def name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        return "int8" if self.int8 else str(self.dtype).removeprefix("torch.")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -57,9 +60,14 @@ def resolve_dtype(
 ) -> DtypeChoice:
     """'auto': float16 on CUDA; on the CPU bfloat16 where it is computed natively (AMX or
     AVX-512 BF16; tests hold it to cosine >= 0.999 against float32), else float32."""
+    if dtype == INT8:
+        refusal = int8_unavailable(device)
+        if refusal is not None:
+            raise ConfigError(f"dtype int8: {refusal}")
+        return DtypeChoice(torch.float32, "asked for", int8=True)
     if dtype != "auto":
         if dtype not in DTYPES:
-            raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+            raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}, int8")
         return DtypeChoice(DTYPES[dtype], "asked for")
     if device.type == "cuda":
         return DtypeChoice(torch.float16, "auto: CUDA computes float16 natively")

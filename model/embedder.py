@@ -14,9 +14,10 @@ from model.architectures import Encoder
 from model.attention import MapRequest
 from model.codec import TextCodec
 from model.cuda_graphs import GraphedForward, IntGrid, padded_batch
-from model.device import DtypeChoice, resolve_device, resolve_dtype
+from model.device import DtypeChoice, cpu_flags, resolve_device, resolve_dtype
 from model.heads import Head
 from model.info import AttentionSpec, ModelInfo
+from model.int8 import INT8, quantize_linears, reduces_range
 from model.loading import load_model
 from model.pipeline import EmbeddingPipeline
 from model.prepacked import can_prepack, prepack_linears
@@ -77,7 +78,11 @@ class Embedder:
         # On a CPU the encoder's linear layers run on weights laid out once for oneDNN
         # (model/prepacked.py); how many, for the log.
         self.prepacked = 0
-        if prepack and can_prepack(self.device, first.dtype):
+        # Or in int8 where the operator asked for it (model/int8.py); how many.
+        self.quantized = 0
+        if info.dtype == INT8:
+            self.quantized = quantize_linears(network, reduces_range(cpu_flags()))
+        elif prepack and can_prepack(self.device, first.dtype):
             self.prepacked = prepack_linears(network)
 
     @classmethod

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.activations import Activation, activate
 from model.architectures import BertConfig, EncoderConfig
 from model.architectures.base import ConfigReader
-from model.architectures.bert import Activation, activate
 from model.errors import ConfigError
 from model.info import Task
 

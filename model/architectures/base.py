@@ -7,7 +7,7 @@ the reference implementation, so weights load without a renaming table.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from model.attention import MapRequest
 from model.errors import ConfigError
+from model.packing import TokenLayout
 
 T = TypeVar("T")
 
@@ -138,3 +139,22 @@ class Encoder(nn.Module):
 
     def reset_buffers(self) -> None:
         """Recompute buffers that are not in the checkpoint (built on the meta device)."""
+
+
+def run_layers(
+    layers: Iterable[nn.Module],
+    h: Tensor,
+    layout: TokenLayout,
+    maps: MapRequest,
+    context: Callable[[int], tuple[Any, ...]] = lambda index: (),
+) -> tuple[Tensor, dict[int, Tensor]]:
+    """(N, D) packed tokens through each layer in turn, called as
+    `layer(h, layout, *context(index), map_heads)` (what else layer `index` needs: rotary
+    tables, a position bias, its attention mask); also the (B, h, T, T) probabilities of the
+    layers whose maps were asked for, by layer."""
+    kept: dict[int, Tensor] = {}
+    for index, layer in enumerate(layers):
+        h, probs = layer(h, layout, *context(index), maps.heads if maps.wants(index) else None)
+        if probs is not None:
+            kept[index] = probs
+    return h, kept

@@ -12,30 +12,16 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput
+from model.activations import ACTIVATIONS, Activation
+from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
 from model.attention import NO_MAPS, MapRequest, attend
 from model.errors import ConfigError
 from model.packing import TokenLayout, in_row_chunks
+from model.prepacked import linear_activated, linear_plus
 
-Activation = Literal["gelu", "gelu_tanh", "relu"]
 PositionKind = Literal["learned", "sinusoidal"]
-
-# Checkpoint spellings of the activations this encoder implements.
-ACTIVATIONS: dict[str, Activation] = {
-    "gelu": "gelu",
-    "gelu_new": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "relu": "relu",
-}
-
-
-def activate(x: Tensor, activation: Activation) -> Tensor:
-    if activation == "relu":
-        return F.relu(x)
-    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -268,7 +254,7 @@ class Intermediate(nn.Module):
         self.activation = config.hidden_act
 
     def forward(self, x: Tensor) -> Tensor:
-        return activate(self.dense(x), self.activation)
+        return linear_activated(self.dense, x, self.activation)
 
 
 class EncoderBlock(nn.Module):
@@ -288,10 +274,10 @@ class EncoderBlock(nn.Module):
         attn = self.attention.output
         if self.norm_first:
             context, probs = self.attention.self(attn.LayerNorm(x), layout, map_heads)
-            x = x + attn.dense(context)
+            x = linear_plus(attn.dense, context, x)
         else:
             context, probs = self.attention.self(x, layout, map_heads)
-            x = attn.LayerNorm(x + attn.dense(context))
+            x = attn.LayerNorm(linear_plus(attn.dense, context, x))
         return in_row_chunks(self.feed_forward, x), probs
 
     def feed_forward(self, x: Tensor) -> Tensor:
@@ -299,9 +285,9 @@ class EncoderBlock(nn.Module):
         ffn = self.output
         out: Tensor
         if self.norm_first:
-            out = x + ffn.dense(self.intermediate(ffn.LayerNorm(x)))
+            out = linear_plus(ffn.dense, self.intermediate(ffn.LayerNorm(x)), x)
         else:
-            out = ffn.LayerNorm(x + ffn.dense(self.intermediate(x)))
+            out = ffn.LayerNorm(linear_plus(ffn.dense, self.intermediate(x), x))
         return out
 
 
@@ -320,11 +306,7 @@ class EncoderStack(nn.Module):
         """(B, T, D) in and out; padded positions hold no meaningful values."""
         layout = TokenLayout.from_mask(attention_mask)
         h = layout.pack(x)  # (N, D)
-        kept: dict[int, Tensor] = {}
-        for index, block in enumerate(self.layer):
-            h, probs = block(h, layout, maps.heads if maps.wants(index) else None)
-            if probs is not None:
-                kept[index] = probs  # (B, h, T, T)
+        h, kept = run_layers(self.layer, h, layout, maps)
         if hasattr(self, "norm"):
             h = self.norm(h)
         return layout.unpack(h), kept

@@ -11,8 +11,8 @@ from typing import ClassVar
 
 from torch import Tensor, nn
 
-from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput
-from model.architectures.bert import ACTIVATIONS, Activation, activate
+from model.activations import ACTIVATIONS, Activation, activate
+from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
 from model.attention import NO_MAPS, MapRequest, attend
 from model.packing import TokenLayout, in_row_chunks
 
@@ -162,9 +162,5 @@ class DistilBertEncoder(Encoder):
         maps = maps or NO_MAPS
         layout = TokenLayout.from_mask(attention_mask)
         h = layout.pack(self.embeddings(input_ids))  # (N, D)
-        kept: dict[int, Tensor] = {}
-        for index, block in enumerate(self.transformer.layer):
-            h, probs = block(h, layout, maps.heads if maps.wants(index) else None)
-            if probs is not None:
-                kept[index] = probs  # (B, h, T, T)
+        h, kept = run_layers(self.transformer.layer, h, layout, maps)
         return EncoderOutput(layout.unpack(h), kept)

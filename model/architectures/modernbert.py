@@ -14,8 +14,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput
-from model.architectures.bert import ACTIVATIONS, Activation, activate
+from model.activations import ACTIVATIONS, Activation, activate
+from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
 from model.attention import NO_MAPS, MapRequest, attend
 from model.errors import ConfigError
 from model.packing import TokenLayout, in_row_chunks
@@ -239,11 +239,8 @@ class ModernBertEncoder(Encoder):
         }
         allowed = {True: layout.key_mask, False: layout.key_mask & window}  # (B, 1, 1|T, T)
         h = layout.pack(x)  # (N, D)
-        kept: dict[int, Tensor] = {}
-        for index, layer in enumerate(self.layers):
-            is_global = config.global_layers[index]
-            heads = maps.heads if maps.wants(index) else None
-            h, probs = layer(h, layout, rotary[is_global], allowed[is_global], heads)
-            if probs is not None:
-                kept[index] = probs  # (B, h, T, T)
+        is_global = config.global_layers
+        h, kept = run_layers(
+            self.layers, h, layout, maps, lambda i: (rotary[is_global[i]], allowed[is_global[i]])
+        )
         return EncoderOutput(layout.unpack(self.final_norm(h)), kept)

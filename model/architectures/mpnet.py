@@ -13,8 +13,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput
-from model.architectures.bert import ACTIVATIONS, Activation, activate
+from model.activations import ACTIVATIONS, Activation, activate
+from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
 from model.attention import NO_MAPS, MapRequest, attend
 from model.packing import TokenLayout, in_row_chunks
 
@@ -200,9 +200,5 @@ class MPNetEncoder(Encoder):
         layout = TokenLayout.from_mask(attention_mask)
         h = layout.pack(self.embeddings(input_ids, attention_mask))  # (N, D)
         bias = self.encoder.position_bias(input_ids.shape[1])  # computed once, for all layers
-        kept: dict[int, Tensor] = {}
-        for index, layer in enumerate(self.encoder.layer):
-            h, probs = layer(h, layout, bias, maps.heads if maps.wants(index) else None)
-            if probs is not None:
-                kept[index] = probs  # (B, h, T, T)
+        h, kept = run_layers(self.encoder.layer, h, layout, maps, lambda index: (bias,))
         return EncoderOutput(layout.unpack(h), kept)

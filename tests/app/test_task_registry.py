@@ -17,7 +17,8 @@ from model.info import ModelInfo, Task
 
 def info_of(task: Task, labels: tuple[str, ...] = ()) -> ModelInfo:
     return ModelInfo(
-        "m", "bert", "learned", 4, 4, 16, ("mean",), True, (), True, "float32", "asked", "cpu", 1, 1, 10,
+        "m", "bert", "learned", 4, 4, 16, ("mean",), True, (), True, "float32", "asked", "cpu",
+        1, 1, 10,
         task=task, labels=labels,
     )  # fmt: skip
 

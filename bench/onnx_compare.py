@@ -1,0 +1,219 @@
+"""This encoder against ONNX Runtime on a CPU: the same model, texts and threads.
+
+ONNX Runtime is what text-embeddings-inference's CPU image, fastembed and Infinity's optimum
+engine run. The default model (all-MiniLM-L6-v2) is exported here with `torch.onnx.export`
+(transformers' BertModel, with mean pooling and normalisation in the graph), and quantized
+with ONNX Runtime's own `quantize_dynamic` (its defaults: int8 weights per tensor) for int8.
+Each engine tokenizes with the same `tokenizers` tokenizer, texts padded to the longest of
+their batch. Engines: this encoder in float32, in bfloat16 (where the CPU computes it), in
+int8 (`--dtype int8`), and ONNX Runtime in float32 and int8.
+
+Figures, in alternating rounds (each round runs every engine once), each engine's best:
+- throughput: `--texts` sentences sorted by length, in batches of 32, tokenization included;
+- one sentence: the median latency of one-sentence calls, tokenization included;
+- int8's cosine to its own float32 (mean and minimum) over the same sentences.
+Needs the bench extra (`pip install -e '.[bench]'`: onnxruntime, onnx, onnxscript); not in CI.
+Usage: python -m bench.onnx_compare [--threads 2] [--rounds 3] [--texts 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from bench.workload import varied_sentences
+from model import DEFAULT_MODEL_ID, Embedder
+from model.device import BF16_FLAGS, cpu_flags
+from model.resolve import resolve_model_dir
+
+RESULTS = Path(__file__).resolve().parent / "results" / "onnx_compare.json"
+BATCH = 32
+SINGLE_CALLS = 200
+Encode = Callable[[list[str]], np.ndarray]
+
+
+def ours(dtype: str) -> Encode:
+    embedder = Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype=dtype)
+    return lambda texts: embedder.embed(texts).float().numpy()
+
+
+class Pooled(torch.nn.Module):
+    """transformers' BertModel, mean-pooled over the mask and normalised, as the model's
+    sentence-transformers modules do: what the exported graph computes."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        from transformers import AutoModel
+
+        self.bert = AutoModel.from_pretrained(folder).eval()
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        hidden = self.bert(input_ids=ids, attention_mask=mask, token_type_ids=types)[0]
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+def export(folder: Path, target: Path) -> Path:
+    sample = torch.ones((2, 8), dtype=torch.long)
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("length")
+    dynamic = {name: {0: batch, 1: length} for name in ("ids", "mask", "types")}
+    with torch.inference_mode(False), torch.no_grad():
+        torch.onnx.export(
+            Pooled(folder),
+            (sample, sample, torch.zeros_like(sample)),
+            str(target),
+            input_names=["ids", "mask", "types"],
+            output_names=["vectors"],
+            dynamic_shapes=dynamic,
+        )
+    return target
+
+
+def quantize(model: Path, target: Path) -> Path:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(str(model), str(target), weight_type=QuantType.QInt8)
+    return target
+
+
+def onnx_runtime(model: Path, tokenizer_file: Path, threads: int, max_length: int) -> Encode:
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = onnxruntime.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer.enable_truncation(max_length)
+    tokenizer.enable_padding()
+
+    def encode(texts: list[str]) -> np.ndarray:
+        # One text through `encode`: `encode_batch` would hand it to a thread pool.
+        single = len(texts) == 1
+        encodings = [tokenizer.encode(texts[0])] if single else tokenizer.encode_batch(texts)
+        ids = np.array([e.ids for e in encodings], dtype=np.int64)
+        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+        feeds = {"ids": ids, "mask": mask, "types": np.zeros_like(ids)}
+        vectors: np.ndarray = session.run(None, feeds)[0]
+        return vectors
+
+    return encode
+
+
+def engines(threads: int, work: Path) -> dict[str, Encode]:
+    torch.set_num_threads(threads)
+    folder = resolve_model_dir(DEFAULT_MODEL_ID, allow_download=False)
+    max_length = Embedder.load(DEFAULT_MODEL_ID, device="cpu").info.max_input_tokens
+    exported = export(folder, work / "model.onnx")
+    quantized = quantize(exported, work / "model-int8.onnx")
+    tokenizer = folder / "tokenizer.json"
+    found: dict[str, Encode] = {"ours float32": ours("float32")}
+    if any(flag in cpu_flags() for flag in BF16_FLAGS):
+        found["ours bfloat16"] = ours("bfloat16")
+    found["ours int8"] = ours("int8")
+    found["onnxruntime float32"] = onnx_runtime(exported, tokenizer, threads, max_length)
+    found["onnxruntime int8"] = onnx_runtime(quantized, tokenizer, threads, max_length)
+    return found
+
+
+def throughput(encode: Encode, batches: Sequence[list[str]]) -> float:
+    started = time.perf_counter()
+    for batch in batches:
+        encode(batch)
+    return sum(map(len, batches)) / (time.perf_counter() - started)
+
+
+def single_p50_ms(encode: Encode, texts: Sequence[str]) -> float:
+    seconds = []
+    for text in texts[:SINGLE_CALLS]:
+        started = time.perf_counter()
+        encode([text])
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds) * 1000
+
+
+def cosines(approx: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
+    norms = np.linalg.norm(approx, axis=1) * np.linalg.norm(exact, axis=1)
+    dots = (approx * exact).sum(1) / norms
+    return float(dots.mean()), float(dots.min())
+
+
+def embed_all(encode: Encode, batches: Sequence[list[str]]) -> np.ndarray:
+    return np.concatenate([encode(batch) for batch in batches])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--texts", type=int, default=3000)
+    args = parser.parse_args()
+    texts = sorted(varied_sentences(args.texts, seed=11), key=len)
+    batches = [texts[i : i + BATCH] for i in range(0, len(texts), BATCH)]
+    singles = varied_sentences(SINGLE_CALLS, seed=12)
+    with tempfile.TemporaryDirectory() as work:
+        found = engines(args.threads, Path(work))
+        for encode in found.values():  # warm-up: every shape once
+            throughput(encode, batches[:: max(1, len(batches) // 8)])
+            single_p50_ms(encode, singles[:20])
+        rates: dict[str, list[float]] = {name: [] for name in found}
+        latencies: dict[str, list[float]] = {name: [] for name in found}
+        for _ in range(args.rounds):
+            for name, encode in found.items():
+                rates[name].append(throughput(encode, batches))
+                latencies[name].append(single_p50_ms(encode, singles))
+        vectors = {name: embed_all(encode, batches) for name, encode in found.items()}
+    report(args, rates, latencies, vectors)
+
+
+def report(
+    args: argparse.Namespace,
+    rates: dict[str, list[float]],
+    latencies: dict[str, list[float]],
+    vectors: dict[str, np.ndarray],
+) -> None:
+    best_rate = {name: max(values) for name, values in rates.items()}
+    best_p50 = {name: min(values) for name, values in latencies.items()}
+    base = "onnxruntime float32"
+    print(f"all-MiniLM-L6-v2, CPU, {args.threads} threads, {args.texts} sentences sorted by length")
+    print(f"in batches of {BATCH}; best of {args.rounds} alternating rounds")
+    print(f"{'engine':<22}{'texts/s':>9}{'x ORT f32':>10}{'1 sentence p50':>16}{'x ORT f32':>10}")
+    for name in rates:
+        rate, p50 = best_rate[name], best_p50[name]
+        print(
+            f"{name:<22}{rate:>9.0f}{rate / best_rate[base]:>10.2f}"
+            f"{p50:>13.2f} ms{p50 / best_p50[base]:>10.2f}"
+        )
+    figures: dict[str, Any] = {"threads": args.threads, "texts": args.texts, "engines": {}}
+    for name in rates:
+        figures["engines"][name] = {
+            "texts_per_s": rates[name],
+            "single_p50_ms": latencies[name],
+        }
+    for family in ("ours", "onnxruntime"):
+        mean, low = cosines(vectors[f"{family} int8"], vectors[f"{family} float32"])
+        print(f"{family} int8 cosine to its float32: mean {mean:.4f}, minimum {low:.4f}")
+        figures["engines"][f"{family} int8"]["cosine_to_float32"] = {"mean": mean, "min": low}
+    print(
+        "ours int8 / onnxruntime int8: throughput "
+        f"{best_rate['ours int8'] / best_rate['onnxruntime int8']:.2f}x, one sentence p50 "
+        f"{best_p50['ours int8'] / best_p50['onnxruntime int8']:.2f}x"
+    )
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(figures, indent=2))
+    print(f"written to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The encoder's linear layers in int8 on a CPU, for the operator who asks for it (`--dtype int8`).
+
+Dynamic quantization: each weight is quantized once at load, per output channel (symmetric,
+one scale per row), and each call quantizes its activations per tensor from their own range,
+in torch's fbgemm kernels (x86). Everything else (embeddings, attention, LayerNorm, the
+activation functions, pooling and any head) stays in float32. Never chosen by `auto`: it
+trades a little accuracy for speed, and the README's Benchmarks say how much of each.
+
+On CPUs without VNNI instructions the activations use 7 bits of range (`reduce_range`), as
+torch advises there: fbgemm's 8-bit products would otherwise saturate.
+"""
+
+from __future__ import annotations
+
+import platform
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+import torch
+from torch import Tensor, nn
+
+INT8 = "int8"
+# CPU flags of instructions that multiply 8-bit integers without saturating (VNNI).
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+FROZEN = "an int8 linear layer cannot be {}: build the model in a float dtype"
+
+
+@contextmanager
+def _quantized_tensors_allowed() -> Iterator[None]:
+    """torch warns that quantized tensors will be removed; the kernels used here have no
+    replacement in torch itself yet, and a warning per layer at start-up helps nobody."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.quantize_per", category=UserWarning)
+        yield
+
+
+class Int8Linear(nn.Module):
+    """`nn.Linear` with int8 weights (per output channel) and activations quantized per call.
+    The packed weight is an opaque fbgemm object: the layer is frozen, like model/prepacked.py's."""
+
+    def __init__(self, linear: nn.Linear, reduce_range: bool) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.reduce_range = reduce_range
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
+        zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        with _quantized_tensors_allowed():
+            quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+            self.packed = torch.ops.quantized.linear_prepack(quantized, bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.quantized.linear_dynamic(flat, self.packed, self.reduce_range)
+        result: Tensor = out.reshape(*x.shape[:-1], self.out_features)
+        return result
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> NoReturn:
+        raise RuntimeError(FROZEN.format("moved or converted"))
+
+    def _save_to_state_dict(
+        self, destination: Mapping[str, Any], prefix: str, keep_vars: bool
+    ) -> NoReturn:
+        raise RuntimeError(FROZEN.format("saved"))
+
+
+def int8_unavailable(device: torch.device) -> str | None:
+    """Why int8 cannot run here, or None where it can."""
+    if device.type != "cpu":
+        return f"int8 runs on the CPU only, not on {device.type}: use float16 there"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"int8 needs torch's fbgemm kernels, which run on x86 CPUs, not {platform.machine()}"
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return "int8 needs torch's fbgemm kernels, which this build of torch lacks"
+    return None
+
+
+def reduces_range(cpu_flags: frozenset[str]) -> bool:
+    return not any(flag in cpu_flags for flag in VNNI_FLAGS)
+
+
+def quantize_linears(network: nn.Module, reduce_range: bool) -> int:
+    """Swap every `nn.Linear` inside `network` (float32) for its int8 twin; how many."""
+    swapped = 0
+    for module in list(network.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:  # exactly: a subclass may be read by its owner
+                setattr(module, name, Int8Linear(child, reduce_range))
+                swapped += 1
+    return swapped
