@@ -13,7 +13,7 @@ figure comes with its ratio to the ceiling, the server's peak RSS, where its CPU
 loops against the other threads, per text), its batches (size, padding) and the share of the
 time its forward passes ran, which tell why a figure falls short of the ceiling; all is
 printed and written to bench/results/server.json.
-Usage: python -m bench.server [--dtypes float32 bfloat16] [--seconds 10] [--rounds 2]
+Usage: python -m bench.server [--dtypes float32 bfloat16 int8] [--seconds 10] [--rounds 2]
                               [--device cpu|cuda] [-- SERVER FLAGS]
 """
 
@@ -222,7 +222,7 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"])
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
