@@ -13,7 +13,8 @@ import pytest
 from fastapi import FastAPI
 
 from app.engine.protocol import Outcome
-from app.engine.remote import RemoteEngine
+from app.engine.remote import RemoteEngine, least_busy
+from app.engine.state import EngineBoard
 from app.errors import DeadlineError, ServiceError
 from app.service import WATCH_AFTER, Watch
 from tests.app.conftest import make_settings, running_app, service_of, wait_until
@@ -113,3 +114,18 @@ async def test_the_watch_aborts_once_and_watches_only_requests_that_wait() -> No
     assert [type(error) for error in quick.errors] == [DeadlineError]
     assert watched == 1 and slow.errors == []  # only the one that waited past WATCH_AFTER
     waiting.close()
+
+
+def test_idle_engines_leave_work_on_the_first_and_a_busy_one_passes_it_on(
+    tmp_path: Path,
+) -> None:
+    board = EngineBoard.create(tmp_path / "board", 3)
+    assert least_busy(board, [0, 0, 0]) == 0  # all idle: always the first, never in turn
+    assert least_busy(board, [0, 0, 0]) == 0
+    assert least_busy(board, [1, 0, 0]) == 1  # a request sent, not yet published
+    assert least_busy(board, [1, 1, 0]) == 2
+    board.publish(0, 100, 0.001)
+    assert least_busy(board, [0, 0, 0]) == 1
+    board.publish(1, 50, 0.001)
+    board.publish(2, 80, 0.001)
+    assert least_busy(board, [0, 9, 0]) == 1  # the least work ahead comes first
