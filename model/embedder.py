@@ -124,7 +124,7 @@ class Embedder:
         cuda_graphs: bool = True,
         prepack: bool = True,
     ) -> Embedder:
-        """`task`: "auto" serves what the folder declares (model/folder.py), or embed,
+        """`task`: "auto" serves what the folder declares (model/tasks/), or embed,
         classify or sparse; `max_input_tokens` can only lower the model's own limit;
         `cuda_graphs` off runs every forward pass on a GPU eagerly; `prepack` off runs a
         CPU's linear layers on torch's own `F.linear`."""

@@ -1,4 +1,4 @@
-"""Reading a model folder: the sentence-transformers files around `config.json` and the weights.
+"""Reading a model folder's files: the sentence-transformers files around `config.json`.
 
 Everything in the folder that changes the outputs is honoured, or refused here at start-up
 with an error naming the file and the key: serving vectors that differ from the ones the
@@ -7,31 +7,23 @@ sentence-transformers up to 5.3 (`pooling_mode_*_token` flags, `sentence_transfo
 and `sentence_transformers.sparse_encoder.models.X` module types) and 5.4 and later
 (`pooling_mode`, `sentence_transformers.base.modules...X`, `transformer_task`).
 
-The folder also says which task it serves (model/heads.py):
-- a sentence-transformers folder by its own declaration: `model_type` in
-  config_sentence_transformers.json (SentenceTransformer, CrossEncoder, SparseEncoder) and
-  its modules (Transformer + Pooling..., a Transformer whose `transformer_task` is
-  sequence-classification, or Transformer/MLMTransformer + SpladePooling);
-- a CrossEncoder saved by sentence-transformers up to 5.3 is a plain folder (its settings sit
-  in config.json), and so is any other Hugging Face checkpoint: `architectures`
-  `*ForSequenceClassification` is a classifier; `*ForMaskedLM` could be SPLADE or an encoder
-  for mean pooling, so the caller must choose; anything else is embedded by mean pooling.
+Which task a folder serves, and what each task reads of it (its modules, its head), is
+model/tasks/'s, one module per task; this module reads the files they share.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from model.checkpoint import read_json, read_json_object
+from model.checkpoint import read_json_object
 from model.errors import ConfigError
 from model.heads import Splade
 from model.info import Task
 from model.pipeline import ACTIVATIONS, DenseSpec, Pooling, PoolingMode
-from model.similarity import check_similarity_fn
 from model.tokenizer import Direction
 
 log = logging.getLogger(__name__)
@@ -45,7 +37,7 @@ POOLING_FLAGS = {
     "pooling_mode_weightedmean_tokens": PoolingMode.WEIGHTED_MEAN,
     "pooling_mode_lasttoken": PoolingMode.LAST_TOKEN,
 }
-_DIMENSION_KEYS = ("word_embedding_dimension", "embedding_dimension")
+DIMENSION_KEYS = ("word_embedding_dimension", "embedding_dimension")
 # The Transformer's settings file, under the names sentence-transformers tries in this order
 # (its first versions named it after the architecture); the first that holds a key counts.
 _TRANSFORMER_CONFIG_FILES = (
@@ -65,20 +57,7 @@ _TRANSFORMER_DEFAULTS: dict[str, Any] = {
     "document_length": None,
     "query_expansion": None,
 }
-# What the Transformer module computes for each task: `transformer_task`, the
-# `module_output_name` it fills, and the model output its `modality_config` reads.
-_TRANSFORMER_OUTPUTS = {
-    Task.EMBED: ("feature-extraction", "token_embeddings", "last_hidden_state"),
-    Task.CLASSIFY: ("sequence-classification", "scores", "logits"),
-    Task.SPARSE: ("fill-mask", "token_embeddings", "logits"),
-}
 _SENTENCE_EMBEDDING = "sentence_embedding"
-# config_sentence_transformers.json's model_type -> the task it serves.
-MODEL_TYPES = {
-    "SentenceTransformer": Task.EMBED,
-    "CrossEncoder": Task.CLASSIFY,
-    "SparseEncoder": Task.SPARSE,
-}
 _METADATA_KEYS = (
     "__version__",
     "prompts",
@@ -98,10 +77,15 @@ SCORE_ACTIVATIONS = {
     "torch.nn.modules.linear.Identity": "Identity",
     "torch.nn.modules.activation.Sigmoid": "Sigmoid",
 }
-_SPLADE_KEYS = {
-    "pooling_strategy": ("max", "sum"),
-    "activation_function": ("relu", "log1p_relu"),
-}
+
+
+class TransformerOutputs(NamedTuple):
+    """What the Transformer module computes for a task: its `transformer_task`, the
+    `module_output_name` it fills, and the model output its `modality_config` reads."""
+
+    transformer_task: str
+    output_name: str
+    model_output: str
 
 
 @dataclass(frozen=True)
@@ -156,7 +140,7 @@ class FolderSpec:
 
 
 @dataclass(frozen=True)
-class _Metadata:
+class Metadata:
     """config_sentence_transformers.json."""
 
     source: Path
@@ -168,156 +152,7 @@ class _Metadata:
     truncate_dim: int | None = None
 
 
-def read_folder(folder: Path, task: Task | None = None) -> FolderSpec:
-    """A sentence-transformers folder, or a plain Hugging Face one (embedded by mean pooling,
-    without a norm).
-
-    With `task` None the folder's declaration decides (see the module docstring). A task
-    asked for must be one the folder can serve: a sentence-transformers folder serves the
-    one its modules declare only; a plain folder any, as long as its weights hold the head
-    (checked when they are loaded).
-    """
-    modules_file = folder / "modules.json"
-    modules = read_json(modules_file, required=False)
-    metadata = _read_metadata(folder / "config_sentence_transformers.json")
-    if modules is None:
-        return _plain_folder(folder, metadata, task)
-    if not isinstance(modules, list) or not modules:
-        raise ConfigError(f"{modules_file}: expected a non-empty JSON list of modules")
-    kinds = [_module_kind(modules_file, entry) for entry in modules]
-    paths = [folder / str(entry.get("path", "")) for entry in modules]
-    declared = _declared_task(metadata, kinds, paths[0])
-    if task is not None and task is not declared:
-        raise ConfigError(
-            f"{modules_file}: this sentence-transformers folder "
-            f"({metadata.model_type or 'SentenceTransformer'}) serves task {declared.value!r} "
-            f"only, not {task.value!r}"
-        )
-    if declared is Task.CLASSIFY:
-        return _classifier_modules(modules_file, kinds, paths, metadata)
-    if declared is Task.SPARSE:
-        return _sparse_modules(modules_file, kinds, paths, metadata)
-    return _embedding_modules(modules_file, kinds, paths, metadata)
-
-
-def _declared_task(metadata: _Metadata, kinds: list[str], transformer_dir: Path) -> Task:
-    """The folder's `model_type`; folders saved before it was written are told by modules."""
-    if metadata.model_type is not None:
-        return MODEL_TYPES[metadata.model_type]
-    if kinds[0] == "MLMTransformer" or "SpladePooling" in kinds:
-        return Task.SPARSE
-    _, settings = _read_transformer_config(transformer_dir)
-    if settings.get("transformer_task") == _TRANSFORMER_OUTPUTS[Task.CLASSIFY][0]:
-        return Task.CLASSIFY
-    return Task.EMBED
-
-
-def _embedding_modules(
-    modules_file: Path, kinds: list[str], paths: list[Path], metadata: _Metadata
-) -> FolderSpec:
-    """Transformer, Pooling, then Dense and Normalize modules."""
-    if kinds[0] != "Transformer":
-        raise ConfigError(f"{modules_file}: the first module must be a Transformer, not {kinds[0]}")
-    if kinds[1:2] != ["Pooling"]:
-        raise ConfigError(f"{modules_file}: the Transformer must be followed by a Pooling module")
-    pooling_file = paths[1] / "config.json"
-    pooling, pooling_dimension = _read_pooling(pooling_file)
-    steps: list[DenseModule | NormalizeModule] = []
-    for kind, path in zip(kinds[2:], paths[2:], strict=True):
-        if kind == "Dense":
-            steps.append(DenseModule(_read_dense(path / "config.json"), path))
-        elif kind == "Normalize":
-            _read_normalize(path / "config.json")
-            steps.append(NormalizeModule())
-        else:
-            raise ConfigError(f"{modules_file}: a {kind} module after the Pooling is not supported")
-    return FolderSpec(
-        transformer_dir=paths[0],
-        pooling=pooling,
-        pooling_dimension=pooling_dimension,
-        pooling_file=pooling_file,
-        steps=tuple(steps),
-        **_transformer_settings(paths[0], Task.EMBED, kinds[0]),
-        **_metadata_settings(metadata, Task.EMBED),
-    )
-
-
-def _classifier_modules(
-    modules_file: Path, kinds: list[str], paths: list[Path], metadata: _Metadata
-) -> FolderSpec:
-    """A CrossEncoder (sentence-transformers 5.4 and later): one sequence-classification
-    Transformer."""
-    if kinds != ["Transformer"]:
-        raise ConfigError(
-            f"{modules_file}: a CrossEncoder here is one Transformer module, "
-            f"not {' + '.join(kinds)}"
-        )
-    return FolderSpec(
-        transformer_dir=paths[0],
-        task=Task.CLASSIFY,
-        score_activation=metadata.score_activation,
-        **_transformer_settings(paths[0], Task.CLASSIFY, kinds[0]),
-        **_metadata_settings(metadata, Task.CLASSIFY),
-    )
-
-
-def _sparse_modules(
-    modules_file: Path, kinds: list[str], paths: list[Path], metadata: _Metadata
-) -> FolderSpec:
-    """A SPLADE SparseEncoder: Transformer (fill-mask) or MLMTransformer, then SpladePooling."""
-    if kinds[0] not in ("Transformer", "MLMTransformer") or kinds[1:] != ["SpladePooling"]:
-        raise ConfigError(
-            f"{modules_file}: a SparseEncoder here is a Transformer (or MLMTransformer) and a "
-            f"SpladePooling module, not {' + '.join(kinds)}"
-        )
-    pooling_file = paths[1] / "config.json"
-    splade, dimension = _read_splade(pooling_file)
-    return FolderSpec(
-        transformer_dir=paths[0],
-        task=Task.SPARSE,
-        pooling_dimension=dimension,
-        pooling_file=pooling_file,
-        splade=splade,
-        **_transformer_settings(paths[0], Task.SPARSE, kinds[0]),
-        **_metadata_settings(metadata, Task.SPARSE),
-    )
-
-
-def _plain_folder(folder: Path, metadata: _Metadata, task: Task | None) -> FolderSpec:
-    """A folder without modules.json: a Hugging Face checkpoint, or a CrossEncoder saved by
-    sentence-transformers up to 5.3."""
-    config_file = folder / "config.json"
-    config = read_json_object(config_file)
-    architectures = config.get("architectures") or []
-    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
-        raise ConfigError(f"{config_file}: key 'architectures' must be a list of class names")
-    if task is None:
-        if metadata.model_type is not None:
-            task = MODEL_TYPES[metadata.model_type]
-        elif any(name.endswith("ForSequenceClassification") for name in architectures):
-            task = Task.CLASSIFY
-        elif any(name.endswith("ForMaskedLM") for name in architectures):
-            raise ConfigError(
-                f"{config_file}: architectures {', '.join(architectures)} is a masked-language "
-                "model, which can give sparse embeddings (SPLADE) or dense ones (mean pooling); "
-                "choose the task: task=sparse for SPLADE, or task=embed for mean pooling"
-            )
-        else:
-            task = Task.EMBED
-    activation = None
-    if task is Task.CLASSIFY:
-        activation = metadata.score_activation or _config_score_activation(config_file, config)
-    return FolderSpec(
-        transformer_dir=folder,
-        task=task,
-        splade=Splade() if task is Task.SPARSE else None,
-        score_activation=activation,
-        **_transformer_settings(folder, task),
-        **_metadata_settings(metadata, task),
-    )
-
-
-def _module_kind(source: Path, entry: Any) -> str:
+def module_kind(source: Path, entry: Any) -> str:
     """The class name of a module entry; anything but sentence-transformers' own is refused."""
     if not isinstance(entry, dict) or not isinstance(entry.get("type"), str):
         raise ConfigError(f"{source}: each module needs a 'type' string, got {entry!r}")
@@ -334,9 +169,9 @@ def _module_kind(source: Path, entry: Any) -> str:
     return kind
 
 
-def _read_pooling(path: Path) -> tuple[Pooling, int | None]:
+def read_pooling(path: Path) -> tuple[Pooling, int | None]:
     raw = read_json_object(path)
-    _refuse_unknown(path, raw, {*POOLING_FLAGS, *_DIMENSION_KEYS, "pooling_mode", "include_prompt"})
+    refuse_unknown(path, raw, {*POOLING_FLAGS, *DIMENSION_KEYS, "pooling_mode", "include_prompt"})
     include_prompt = raw.get("include_prompt", True)
     if not isinstance(include_prompt, bool):
         raise ConfigError(f"{path}: key 'include_prompt' must be true or false")
@@ -356,13 +191,13 @@ def _read_pooling(path: Path) -> tuple[Pooling, int | None]:
         modes = tuple(mode for flag, mode in POOLING_FLAGS.items() if raw.get(flag)) or (
             PoolingMode.MEAN,
         )
-    dimension = next((raw[key] for key in _DIMENSION_KEYS if key in raw), None)
+    dimension = next((raw[key] for key in DIMENSION_KEYS if key in raw), None)
     return Pooling(modes, include_prompt), dimension
 
 
-def _read_dense(path: Path) -> DenseSpec:
+def read_dense(path: Path) -> DenseSpec:
     raw = read_json_object(path)
-    _refuse_unknown(
+    refuse_unknown(
         path,
         raw,
         {
@@ -395,9 +230,9 @@ def _read_dense(path: Path) -> DenseSpec:
     )
 
 
-def _read_normalize(path: Path) -> None:
+def read_normalize(path: Path) -> None:
     raw = read_json_object(path, required=False)
-    _refuse_unknown(path, raw, {"module_input_name", "module_output_name"})
+    refuse_unknown(path, raw, {"module_input_name", "module_output_name"})
     _expect_sentence_embedding(path, raw)
 
 
@@ -410,11 +245,13 @@ def _expect_sentence_embedding(path: Path, raw: Mapping[str, Any]) -> None:
             )
 
 
-def _transformer_settings(folder: Path, task: Task, kind: str = "Transformer") -> dict[str, Any]:
+def transformer_settings(
+    folder: Path, task: Task, outputs: TransformerOutputs, kind: str = "Transformer"
+) -> dict[str, Any]:
     """`max_seq_length` and `do_lower_case`; every other key must be inert, at its default, or
-    say that the Transformer computes what `task` reads."""
-    path, raw = _read_transformer_config(folder)
-    _refuse_unknown(
+    say that the Transformer computes what `task` reads (`outputs`)."""
+    path, raw = read_transformer_config(folder)
+    refuse_unknown(
         path,
         raw,
         {
@@ -430,7 +267,7 @@ def _transformer_settings(folder: Path, task: Task, kind: str = "Transformer") -
     for key, default in _TRANSFORMER_DEFAULTS.items():
         if raw.get(key, default) not in (default, {}):
             raise ConfigError(f"{path}: unsupported {key} {raw[key]!r} (only {default!r})")
-    transformer_task, output_name, model_output = _TRANSFORMER_OUTPUTS[task]
+    transformer_task, output_name, model_output = outputs
     # Files written before `transformer_task` existed leave it out: sentence-transformers
     # 5.0-5.3's MLMTransformer always ran the fill-mask head, its Transformer never a head.
     default_task = "fill-mask" if kind == "MLMTransformer" else None
@@ -471,31 +308,13 @@ def _transformer_settings(folder: Path, task: Task, kind: str = "Transformer") -
     }
 
 
-def _read_transformer_config(folder: Path) -> tuple[Path, dict[str, Any]]:
+def read_transformer_config(folder: Path) -> tuple[Path, dict[str, Any]]:
     """The Transformer's settings file and its keys ({} when there is none)."""
     for name in _TRANSFORMER_CONFIG_FILES:
         raw = read_json_object(folder / name, required=False)
         if raw:
             return folder / name, raw
     return folder / _TRANSFORMER_CONFIG_FILES[0], {}
-
-
-def _read_splade(path: Path) -> tuple[Splade, int | None]:
-    """SpladePooling's config: its settings, and the output size it was saved for."""
-    raw = read_json_object(path, required=False)
-    # `chunk_size` only bounds memory (and is never saved by sentence-transformers).
-    _refuse_unknown(path, raw, {*_SPLADE_KEYS, *_DIMENSION_KEYS, "chunk_size"})
-    for key, supported in _SPLADE_KEYS.items():
-        if raw.get(key, supported[0]) not in supported:
-            raise ConfigError(
-                f"{path}: unsupported {key} {raw[key]!r} (supported: {', '.join(supported)})"
-            )
-    splade = Splade(
-        pooling_strategy=raw.get("pooling_strategy", "max"),
-        activation_function=raw.get("activation_function", "relu"),
-    )
-    dimension = next((raw[key] for key in _DIMENSION_KEYS if raw.get(key) is not None), None)
-    return splade, dimension
 
 
 def _tokenizer_max_length(tokenizer_config: Mapping[str, Any]) -> int | None:
@@ -516,7 +335,7 @@ def _truncation_side(path: Path, tokenizer_config: Mapping[str, Any]) -> Directi
     return side
 
 
-def _read_metadata(path: Path) -> _Metadata:
+def read_metadata(path: Path, folder_types: Collection[str]) -> Metadata:
     """The model type, prompts, the default prompt, the similarity function and, for a
     CrossEncoder, its score activation."""
     raw = read_json_object(path, required=False)
@@ -524,9 +343,9 @@ def _read_metadata(path: Path) -> _Metadata:
     if unknown:
         log.warning("%s: ignoring keys that do not change vectors: %s", path, ", ".join(unknown))
     kind = raw.get("model_type")
-    if kind is not None and kind not in MODEL_TYPES:
+    if kind is not None and kind not in folder_types:
         raise ConfigError(
-            f"{path}: unsupported model_type {kind!r} (supported: {', '.join(MODEL_TYPES)})"
+            f"{path}: unsupported model_type {kind!r} (supported: {', '.join(folder_types)})"
         )
     if raw.get("max_active_dims") is not None:
         raise ConfigError(
@@ -543,13 +362,13 @@ def _read_metadata(path: Path) -> _Metadata:
         raise ConfigError(f"{path}: default_prompt_name {default!r} is not one of the prompts")
     activation = None
     if raw.get("activation_fn") is not None:
-        activation = _score_activation(f"{path}: key 'activation_fn'", raw["activation_fn"])
+        activation = score_activation(f"{path}: key 'activation_fn'", raw["activation_fn"])
     truncate_dim = raw.get("truncate_dim")
     if truncate_dim is not None and (
         not isinstance(truncate_dim, int) or isinstance(truncate_dim, bool) or truncate_dim <= 0
     ):
         raise ConfigError(f"{path}: key 'truncate_dim' must be a positive integer or null")
-    return _Metadata(
+    return Metadata(
         source=path,
         model_type=kind,
         prompts=prompts,
@@ -560,45 +379,7 @@ def _read_metadata(path: Path) -> _Metadata:
     )
 
 
-def _metadata_settings(metadata: _Metadata, task: Task) -> dict[str, Any]:
-    """The FolderSpec fields the metadata gives, for the task served."""
-    if task is Task.CLASSIFY and metadata.default_prompt_name:
-        # Pairs are tokenized without prompts, so a default one could not be honoured.
-        raise ConfigError(
-            f"{metadata.source}: unsupported default_prompt_name "
-            f"{metadata.default_prompt_name!r} for a classifier"
-        )
-    # sentence-transformers' default: cosine for vectors, dot product for sparse ones.
-    similarity = metadata.similarity_fn_name or ("dot" if task is Task.SPARSE else "cosine")
-    check_similarity_fn(similarity, str(metadata.source))
-    return {
-        "prompts": metadata.prompts,
-        "default_prompt_name": metadata.default_prompt_name,
-        "similarity_fn_name": similarity,
-        # Only SentenceTransformer reads it; CrossEncoder and SparseEncoder leave it unread.
-        "truncate_dim": metadata.truncate_dim if task is Task.EMBED else None,
-    }
-
-
-def _config_score_activation(path: Path, config: Mapping[str, Any]) -> ScoreActivation | None:
-    """Where CrossEncoders saved by sentence-transformers up to 5.3 keep their activation:
-    config.json's `sentence_transformers.activation_fn` (from 4.0), or
-    `sbert_ce_default_activation_function` (before); for a plain transformers classifier, its
-    `problem_type`: multi-label scores each label by its own sigmoid (transformers' pipeline)."""
-    settings = config.get("sentence_transformers")
-    if isinstance(settings, dict) and settings.get("activation_fn") is not None:
-        source = f"{path}: key 'sentence_transformers.activation_fn'"
-        return _score_activation(source, settings["activation_fn"])
-    if config.get("sbert_ce_default_activation_function") is not None:
-        source = f"{path}: key 'sbert_ce_default_activation_function'"
-        return _score_activation(source, config["sbert_ce_default_activation_function"])
-    if config.get("problem_type") == "multi_label_classification":
-        source = f"{path}: key 'problem_type' (multi_label_classification)"
-        return ScoreActivation("Sigmoid", source)
-    return None
-
-
-def _score_activation(source: str, value: Any) -> ScoreActivation:
+def score_activation(source: str, value: Any) -> ScoreActivation:
     if value not in SCORE_ACTIVATIONS:
         raise ConfigError(
             f"{source}: unsupported score activation {value!r} "
@@ -607,7 +388,7 @@ def _score_activation(source: str, value: Any) -> ScoreActivation:
     return ScoreActivation(SCORE_ACTIVATIONS[value], source)
 
 
-def _refuse_unknown(path: Path, raw: Mapping[str, Any], known: set[str]) -> None:
+def refuse_unknown(path: Path, raw: Mapping[str, Any], known: set[str]) -> None:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(

@@ -15,7 +15,7 @@ Keys a task model stores under its encoder's prefix (BERT's `bert.pooler.*`) are
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -252,25 +252,32 @@ MASKED_LM_HEADS: dict[str, type[MaskedLMHead]] = {
 }
 
 
-def build_head(
-    task: Task, config: EncoderConfig, raw: ConfigReader, splade: Splade | None
-) -> tuple[Head, tuple[str, ...]]:
-    """The task's head for this architecture (uninitialised: build it on the meta device),
-    and the labels of its outputs (classify only)."""
-    heads = CLASSIFICATION_HEADS if task is Task.CLASSIFY else MASKED_LM_HEADS
+def classification_head(config: EncoderConfig, raw: ConfigReader) -> tuple[Head, tuple[str, ...]]:
+    """A sequence-classification head for this architecture (uninitialised: build it on the
+    meta device), and the label of each of its logits."""
+    bert = _bert_family(config, raw, CLASSIFICATION_HEADS, Task.CLASSIFY, "sequence-classification")
+    labels = read_labels(raw)
+    return CLASSIFICATION_HEADS[config.model_type](bert, len(labels)), labels
+
+
+def masked_lm_head(config: EncoderConfig, raw: ConfigReader, splade: Splade) -> MaskedLMHead:
+    """A masked-language-model head for this architecture, pooled by `splade`."""
+    bert = _bert_family(config, raw, MASKED_LM_HEADS, Task.SPARSE, "masked-language-model")
+    tied = raw.raw.get("tie_word_embeddings", True)
+    if not isinstance(tied, bool):
+        raise raw.error("key 'tie_word_embeddings' must be true or false")
+    return MASKED_LM_HEADS[config.model_type](bert, splade, tied=tied)
+
+
+def _bert_family(
+    config: EncoderConfig, raw: ConfigReader, heads: Mapping[str, object], task: Task, kind: str
+) -> BertConfig:
     if config.model_type not in heads or not isinstance(config, BertConfig):
-        kind = "sequence-classification" if task is Task.CLASSIFY else "masked-language-model"
         raise ConfigError(
             f"{raw.source}: task {task.value!r} needs a {kind} head, which this server "
             f"implements for {', '.join(heads)}, not for model_type {config.model_type!r}"
         )
-    if task is Task.CLASSIFY:
-        labels = read_labels(raw)
-        return CLASSIFICATION_HEADS[config.model_type](config, len(labels)), labels
-    tied = raw.raw.get("tie_word_embeddings", True)
-    if not isinstance(tied, bool):
-        raise raw.error("key 'tie_word_embeddings' must be true or false")
-    return MASKED_LM_HEADS[config.model_type](config, splade or Splade(), tied=tied), ()
+    return config
 
 
 def read_labels(config: ConfigReader) -> tuple[str, ...]:

@@ -5,7 +5,7 @@ A task says what it is called in errors, which routes it serves (a route of anot
 answers 424 before any work), where text-embeddings-inference's `POST /` goes for it, how
 /info describes it in text-embeddings-inference's terms, and how the engine finishes each
 input's pooled output (cut and normalised vectors, logits, sparse weights). Reading its
-model folder and building its head is the model's side (model/folder.py, model/heads.py).
+model folder and loading what runs after the encoder is the model's side (model/tasks/).
 No torch and no HTTP here: the engine imports it too.
 """
 

@@ -227,7 +227,7 @@ def cross_encoder_files(folder: Path) -> None:
         (
             "config_sentence_transformers.json",
             {"prompts": {"query": "query: "}, "default_prompt_name": "query"},
-            "unsupported default_prompt_name 'query' for a classifier",
+            "unsupported default_prompt_name 'query' for a CrossEncoder",
         ),
         (
             "sentence_bert_config.json",
