@@ -132,6 +132,14 @@ Dimensions = Annotated[
     StrictInt, Field(ge=1, json_schema_extra=bound("dimensions")), BeforeValidator(_integral)
 ]
 PromptName = Annotated[StrictStr, Field(json_schema_extra=bound("prompt_name"))]
+# Vectors as floats, or as compact codes (model/quantization.py).
+VectorEncoding = Literal["float", "int8", "uint8", "binary", "ubinary"]
+ENCODING_DESCRIPTION = (
+    "float; or compact codes, after normalisation and dimensions: int8 or uint8 (each "
+    "dimension's range, in /info's quantization, mapped onto 256 steps), binary (sign bits "
+    "packed 8 to a byte, shifted by -128 into int8) or ubinary (the same bytes unshifted), as "
+    "sentence-transformers' quantize_embeddings gives them."
+)
 
 
 class Request(BaseModel):
@@ -202,6 +210,7 @@ class EmbedRequest(TruncatingRequest):
     dimensions: Dimensions | None = Field(
         None, description="Keep the first N dimensions (Matryoshka), then normalise."
     )
+    encoding: VectorEncoding = Field("float", description=ENCODING_DESCRIPTION)
 
     def options(self) -> EncodeOptions:
         # Built whole: dataclasses.replace costs as much as the rest of a request's parsing.
@@ -363,8 +372,8 @@ class OpenAIEmbeddingRequest(Request):
     model: StrictStr | None = Field(
         None, description="Accepted for compatibility; the served model answers."
     )
-    encoding_format: Literal["float", "base64"] = Field(
-        "float", description="base64: little-endian float32 bytes."
+    encoding_format: Literal["base64"] | VectorEncoding = Field(
+        "float", description="base64: little-endian float32 bytes. " + ENCODING_DESCRIPTION
     )
     dimensions: Dimensions | None = Field(None, description="Keep the first N dimensions.")
     user: StrictStr | None = Field(None, description="Accepted and ignored.")
@@ -392,7 +401,7 @@ class ModelList(BaseModel):
 class OpenAIEmbedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | str
+    embedding: list[float] | list[int] | str
 
 
 class Usage(BaseModel):
@@ -503,6 +512,12 @@ class Limits(BaseModel):
     body_timeout: float
 
 
+class QuantizationRanges(BaseModel):
+    calibration_texts: int = Field(description="How many texts the ranges come from.")
+    min: list[float]
+    max: list[float]
+
+
 class InfoResponse(BaseModel):
     model_id: str
     task: Task = Field(
@@ -527,6 +542,13 @@ class InfoResponse(BaseModel):
     default_prompt_name: str | None
     do_lower_case: bool
     similarity_fn_name: str
+    quantization: QuantizationRanges | None = Field(
+        description=(
+            "An embedding model's ranges for int8 and uint8 codes, per dimension, of "
+            "normalised vectors at full size, from its calibration texts: code = "
+            "(value - min) / ((max - min) / 255), less 128 for int8, clipped."
+        )
+    )
     auto_truncate: bool
     limits: Limits
     version: str

@@ -33,6 +33,7 @@ from app.settings import Settings
 from app.tokenization import Input, Tokenization, characters
 from model.codec import TextCodec
 from model.info import AttentionSpec, ModelInfo
+from model.quantization import Calibration, CodeArray, Precision, quantize
 from model.similarity import similarity
 from model.tokenizer import Encoded
 from model.vectors import FloatArray
@@ -110,6 +111,8 @@ class EmbeddingService:
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        # An embedding model's calibration vectors: the ranges of int8 and uint8 codes.
+        self.calibration: Calibration | None = None
         self.tokenization = Tokenization(metrics, settings.auto_truncate)
 
     # Lifecycle -------------------------------------------------------------------------
@@ -121,6 +124,8 @@ class EmbeddingService:
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
         self.codec = TextCodec.from_card(card)
+        if card.calibration is not None:
+            self.calibration = Calibration(card.calibration)
         self.loaded_at = int(time.time())
         # What start-up made (modules, the model, the app) lives as long as the process:
         # out of the cyclic collector's sight, a full collection takes milliseconds instead
@@ -266,6 +271,15 @@ class EmbeddingService:
         result = await self.encode([source, *sentences], own, disconnected)
         vectors = result.vectors()
         return similarity(vectors[0], vectors[1:], info.similarity_fn_name), result
+
+    def quantized(
+        self, vectors: FloatArray, precision: Precision, options: EncodeOptions
+    ) -> CodeArray:
+        """Finished vectors as int8, uint8 or packed-bit codes, on the ranges of the
+        calibration vectors finished the same way (model/quantization.py)."""
+        assert self.calibration is not None, "an embedding model's route"
+        ranges = self.calibration.ranges(options.normalize, options.dimensions)
+        return quantize(vectors, precision, ranges)
 
     def decode(self, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool) -> list[str]:
         codec = self.check_ready()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -38,6 +39,13 @@ class Settings(BaseSettings):
     )
     allow_download: bool = Field(
         False, description="Fetch unknown model ids with huggingface_hub (needs a network)."
+    )
+    calibration_file: Path | None = Field(
+        None,
+        description=(
+            "Texts, one per line, whose vectors set the ranges of int8 and uint8 encodings "
+            "(published in /info); unset: a built-in set of varied sentences."
+        ),
     )
     devices: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["auto"],

@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from model.errors import PromptError
 from model.info import ModelInfo
 from model.tokenizer import Direction, Encoded, TextTokenizer, TokenizerInput, TokenizerSpec
+from model.vectors import FloatArray
 
 
 @dataclass(frozen=True)
 class ModelCard:
     info: ModelInfo
     tokenizer: TokenizerSpec
+    # An embedding model's vectors of its calibration texts (model/quantization.py).
+    calibration: FloatArray | None = None
 
 
 class TextCodec:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
+
+import numpy as np
 
 from app.cores import CoreLease
 from app.engine.batcher import Batcher, Deliver
@@ -16,7 +19,10 @@ from app.metrics import Metrics
 from app.settings import Settings
 from model import Embedder, Encoded
 from model.codec import ModelCard
+from model.info import Task
+from model.quantization import builtin_calibration_texts, read_calibration_file
 from model.shared_weights import WeightStore
+from model.vectors import FloatArray
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +56,8 @@ class ModelEngine:
         self.compute: ComputeThread | None = None
 
     def load(self, deliver: Deliver) -> ModelCard:
-        """Load the model, warm it up, start the batch worker; blocks until done."""
+        """Load the model, warm it up, embed the calibration texts (an embedding model), start
+        the batch worker; blocks until done."""
         settings = self.settings
         threads = settings.engine_threads()
         log.info("%d torch threads", threads)
@@ -73,6 +80,10 @@ class ModelEngine:
         seconds_per_token = compute.submit(self._warm_up, embedder).result()
         self.embedder = embedder
         info = embedder.info
+        # Before the batch worker starts: from then on it holds the compute thread.
+        calibration = None
+        if info.task is Task.EMBED:
+            calibration = compute.submit(self._calibrate, embedder).result()
         self.metrics.model_info.labels(info.model_id, info.dtype, info.device).set(1)
         self.batcher = Batcher(
             embedder,
@@ -93,7 +104,21 @@ class ModelEngine:
         )
         if info.device == "cpu" and (oversubscription := settings.cpu_oversubscription()):
             log.warning(oversubscription)
-        return embedder.codec.card
+        return replace(embedder.codec.card, calibration=calibration)
+
+    def _calibrate(self, embedder: Embedder) -> FloatArray:
+        """The model's vectors of the calibration texts, which set the int8 and uint8 ranges
+        (model/quantization.py)."""
+        path = self.settings.calibration_file
+        texts = builtin_calibration_texts() if path is None else read_calibration_file(path)
+        encoded = embedder.tokenize(texts)  # cut to the model's length, as requests are
+        step = self.settings.max_batch_inputs
+        return np.concatenate(
+            [
+                embedder.forward(encoded[start : start + step]).pooled.float().numpy()
+                for start in range(0, len(encoded), step)
+            ]
+        )
 
     @staticmethod
     def _warm_up(embedder: Embedder) -> float:

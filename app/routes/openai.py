@@ -3,6 +3,8 @@ path for it), GET /v1/models."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fastapi import APIRouter
 from starlette.responses import Response
 
@@ -23,17 +25,20 @@ OWNER = "embedding-server"
 async def create_embeddings(
     body: OpenAIEmbeddingRequest, service: ServiceDep, disconnected: DisconnectDep
 ) -> Response:
-    result = await service.encode(body.inputs_list(), body.options(), disconnected)
+    options = body.options()
+    result = await service.encode(body.inputs_list(), options, disconnected)
     vectors = result.vectors()
-    # base64 (the official client's default) packs each vector as it lies in memory.
-    as_base64 = body.encoding_format == "base64"
+    encoding = body.encoding_format
+    embeddings: Sequence[object]
+    if encoding == "base64":  # the official client's default: each vector as it lies in memory
+        embeddings = [base64_floats(vector) for vector in vectors]
+    elif encoding == "float":
+        embeddings = list(vectors)
+    else:
+        embeddings = list(service.quantized(vectors, encoding, options))
     data = [
-        {
-            "object": "embedding",
-            "index": index,
-            "embedding": base64_floats(vector) if as_base64 else vector,
-        }
-        for index, vector in enumerate(vectors)
+        {"object": "embedding", "index": index, "embedding": embedding}
+        for index, embedding in enumerate(embeddings)
     ]
     content = {
         "object": "list",

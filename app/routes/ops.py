@@ -16,6 +16,7 @@ from app.metrics import Metrics
 from app.responses import JSONResponse
 from app.routes.errors import error_responses
 from app.schemas import ErrorResponse, InfoResponse, Limits, StatusResponse
+from app.service import EmbeddingService
 from app.tasks import TASKS
 from app.tokenization import TOKENIZER_THREADS
 
@@ -29,6 +30,20 @@ def package_version() -> str:
         return version("embedding-server")
     except PackageNotFoundError:
         return "0.0.0+local"
+
+
+def quantization(service: EmbeddingService) -> dict[str, object] | None:
+    """The ranges int8 and uint8 codes are made on, for normalised vectors of every dimension
+    (the default of every route); other dimensions and unnormalised vectors have ranges
+    computed the same way from the same calibration vectors."""
+    if service.calibration is None:
+        return None
+    ranges = service.calibration.ranges(normalize=True, dimensions=None)
+    return {
+        "calibration_texts": len(service.calibration.vectors),
+        "min": ranges[0],
+        "max": ranges[1],
+    }
 
 
 @router.get("/info", response_model=InfoResponse, responses=error_responses())
@@ -58,6 +73,7 @@ async def info(service: ServiceDep) -> JSONResponse:
             "default_prompt_name": model.default_prompt_name,
             "do_lower_case": model.do_lower_case,
             "similarity_fn_name": model.similarity_fn_name,
+            "quantization": quantization(service),
             "auto_truncate": settings.auto_truncate,
             "limits": settings.model_dump(include=set(Limits.model_fields)),
             "version": package_version(),

@@ -23,8 +23,13 @@ router = APIRouter(tags=["text-embeddings-inference"], responses=error_responses
 
 @router.post("/embed", response_model=list[list[float]], summary="Pooled embeddings")
 async def embed(body: EmbedRequest, service: ServiceDep, disconnected: DisconnectDep) -> Response:
-    result = await service.encode(body.inputs_list(), body.options(), disconnected)
-    return JSONResponse(result.vectors(), headers=timing_headers(result))
+    options = body.options()
+    result = await service.encode(body.inputs_list(), options, disconnected)
+    vectors = result.vectors()
+    if body.encoding != "float":
+        codes = service.quantized(vectors, body.encoding, options)
+        return JSONResponse(codes, headers=timing_headers(result))
+    return JSONResponse(vectors, headers=timing_headers(result))
 
 
 @router.post(
