@@ -20,7 +20,7 @@ from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
 from app.openapi import bounded_openapi
 from app.responses import JSONResponse
-from app.routes import classify, encode, openai, ops, playground, sparse, tei
+from app.routes import classify, cohere, encode, openai, ops, playground, sparse, tei
 from app.service import EmbeddingService
 from app.settings import Settings
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # Routers whose routes need the API key when one is set (and /info). Probes, metrics, the
 # docs and the pages stay open: orchestrators and people call them without a key.
-PROTECTED_ROUTERS = (tei, openai, encode, classify, sparse)
+PROTECTED_ROUTERS = (tei, openai, cohere, encode, classify, sparse)
 PROTECTED_ROUTES = frozenset({("GET", "/info")})
 # Paths the concurrency limit never counts: probes must answer under any load.
 UNLIMITED_PATHS = frozenset({"/health", "/live", "/ping", "/metrics"})
@@ -101,7 +101,7 @@ def create_app(
     app.state.service = service
     routes: set[str] = set()
     protected = set(PROTECTED_ROUTES)
-    for module in (tei, openai, encode, classify, sparse, ops, playground):
+    for module in (tei, openai, cohere, encode, classify, sparse, ops, playground):
         app.include_router(module.router)
         for route in module.router.routes:
             path = getattr(route, "path", "")

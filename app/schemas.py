@@ -28,6 +28,7 @@ from pydantic_core import PydanticCustomError
 from app.params import AttentionQuery, EncodeOptions, RawInput, TextPair
 from app.parsing import EMPTY_INPUT, NOT_UNICODE
 from model.info import Task
+from model.quantization import Precision
 from model.tokenizer import Direction
 
 
@@ -133,7 +134,7 @@ Dimensions = Annotated[
 ]
 PromptName = Annotated[StrictStr, Field(json_schema_extra=bound("prompt_name"))]
 # Vectors as floats, or as compact codes (model/quantization.py).
-VectorEncoding = Literal["float", "int8", "uint8", "binary", "ubinary"]
+VectorEncoding = Literal["float"] | Precision
 ENCODING_DESCRIPTION = (
     "float; or compact codes, after normalisation and dimensions: int8 or uint8 (each "
     "dimension's range, in /info's quantization, mapped onto 256 steps), binary (sign bits "
@@ -386,6 +387,75 @@ class OpenAIEmbeddingRequest(Request):
         return EncodeOptions(dimensions=self.dimensions)
 
 
+# Cohere ---------------------------------------------------------------------------------
+CohereInputType = Literal["search_document", "search_query", "classification", "clustering"]
+CohereEmbeddingType = Literal["float", "base64"] | Precision
+
+
+class CohereEmbedRequest(Request):
+    """Cohere's v2 embed request, for texts; `images`, `inputs` and `max_tokens` are refused."""
+
+    texts: Annotated[
+        list[Text],
+        AfterValidator(_not_empty),
+        Field(json_schema_extra={"minItems": 1, **bound("inputs")}),
+    ] = Field(description="The texts to embed.")
+    model: StrictStr | None = Field(
+        None, description="Accepted for compatibility; the served model answers."
+    )
+    input_type: CohereInputType | None = Field(
+        None,
+        description=(
+            "The folder's prompt of that name (search_query: `search_query` or `query`; "
+            "search_document: `search_document`, `document` or `passage`; or `classification`, "
+            "`clustering`), else the model's default prompt."
+        ),
+    )
+    embedding_types: Annotated[list[CohereEmbeddingType], Field(min_length=1)] = Field(
+        ["float"], description="Each type asked for is returned under its name."
+    )
+    output_dimension: Dimensions | None = Field(None, description="Keep the first N dimensions.")
+    truncate: Literal["NONE", "START", "END"] = Field(
+        "END", description="END cuts the end of a long input, START its start, NONE refuses it."
+    )
+    priority: StrictInt | None = Field(None, description="Accepted and ignored.")
+
+    def options(self, prompt_name: str | None) -> EncodeOptions:
+        """Cohere's vectors are normalised, as its models give them."""
+        return EncodeOptions(
+            self.truncate != "NONE",
+            "left" if self.truncate == "START" else "right",
+            prompt_name,
+            dimensions=self.output_dimension,
+        )
+
+
+class CohereEmbeddings(BaseModel):
+    float_: list[list[float]] | None = Field(None, alias="float")
+    base64: list[str] | None = None
+    int8: list[list[int]] | None = None
+    uint8: list[list[int]] | None = None
+    binary: list[list[int]] | None = None
+    ubinary: list[list[int]] | None = None
+
+
+class CohereBilledUnits(BaseModel):
+    input_tokens: int
+
+
+class CohereMeta(BaseModel):
+    api_version: dict[str, str]
+    billed_units: CohereBilledUnits
+
+
+class CohereEmbedResponse(BaseModel):
+    id: str = Field(description="A UUID for the response, as Cohere gives one.")
+    response_type: Literal["embeddings_by_type"]
+    embeddings: CohereEmbeddings
+    texts: list[str]
+    meta: CohereMeta
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -444,6 +514,14 @@ class EncodeRequest(TruncatingRequest):
     dimensions: Dimensions | None = Field(None, description="Keep the first N pooled dimensions.")
     encoding: Literal["float", "base64"] = Field(
         "float", description="Arrays as JSON floats, or base64 little-endian float32 with a shape."
+    )
+    quantize: Precision | None = Field(
+        None,
+        description=(
+            "The pooled vector as compact codes, a JSON list of integers (null: floats, as "
+            "`encoding` says), as /embed's `encoding` gives them: int8 or uint8 on /info's "
+            "ranges, binary or ubinary sign bits."
+        ),
     )
 
     def options(self) -> EncodeOptions:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter
@@ -15,6 +16,7 @@ from app.schemas import EncodeRequest, EncodeResponse
 from app.service import EncodeResult
 from app.tasks import require_task
 from model import Encoded
+from model.quantization import CodeArray
 
 router = APIRouter(tags=["encode"], responses=error_responses())
 
@@ -49,25 +51,34 @@ def attention_payload(
 async def encode(body: EncodeRequest, service: ServiceDep, disconnected: DisconnectDep) -> Response:
     if body.pooled:  # the pooled vector is an embedding model's; the rest any model has
         require_task(service.info, "/embed")
-    result = await service.encode(body.inputs_list(), body.options(), disconnected)
+    options = body.options()
+    result = await service.encode(body.inputs_list(), options, disconnected)
+    codes = None
+    if body.quantize is not None and body.pooled:  # without a pooled vector, nothing to code
+        codes = iter(service.quantized(result.vectors(), body.quantize, options))
     values = sum(
         (item.token_embeddings.size if item.token_embeddings is not None else 0)
         + sum(maps.size for maps in (item.attention or {}).values())
         for item in result.items
     )
     return await render(
-        lambda: encode_payload(body, result), values=values, headers=timing_headers(result)
+        lambda: encode_payload(body, result, codes), values=values, headers=timing_headers(result)
     )
 
 
-def encode_payload(body: EncodeRequest, result: EncodeResult) -> dict[str, Any]:
+def encode_payload(
+    body: EncodeRequest, result: EncodeResult, codes: Iterator[CodeArray] | None
+) -> dict[str, Any]:
+    """`codes`: the pooled vectors' compact codes, in order, where the request asked for them."""
     spec = result.attention
     heads = list(spec.heads) if spec is not None and not spec.mean else None
     data = []
     for index, (encoded, item) in enumerate(zip(result.encoded, result.items, strict=True)):
         entry: dict[str, Any] = {"index": index, "truncated": encoded.truncated}
         if item.output is not None:
-            entry["embedding"] = array_payload(item.vector, body.encoding)
+            entry["embedding"] = (
+                array_payload(item.vector, body.encoding) if codes is None else next(codes)
+            )
         if item.token_embeddings is not None:
             entry["token_embeddings"] = array_payload(item.token_embeddings, body.encoding)
         if body.tokens:

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import cohere
 import httpx
 import numpy as np
 import openai
@@ -58,6 +59,41 @@ def test_openai_client_float_and_base64(server: ServerProcess, direct: np.ndarra
     assert packed.model == "sentence-transformers/all-MiniLM-L6-v2"
     [card] = client.models.list().data
     assert card.id == packed.model
+
+
+def test_cohere_sdk_gets_every_embedding_type(server: ServerProcess, direct: np.ndarray) -> None:
+    """The official SDK's ClientV2, unchanged: floats as /embed gives them, and each compact
+    type as /embed's `encoding` gives it."""
+    kinds = ["float", "int8", "uint8", "binary", "ubinary"]
+    with httpx.Client(timeout=60) as http:
+        client = cohere.ClientV2(api_key="unused", base_url=server.url, httpx_client=http)
+        response = client.embed(
+            texts=TEXTS, model="any", input_type="search_document", embedding_types=kinds
+        )
+        cut = client.embed(
+            texts=TEXTS[:1], model="any", input_type="search_query", output_dimension=8
+        )
+    assert close(response.embeddings.float_, direct)
+    for kind in kinds[1:]:
+        codes = httpx.post(
+            f"{server.url}/embed", json={"inputs": TEXTS, "encoding": kind}, timeout=60
+        ).json()
+        assert getattr(response.embeddings, kind) == codes, kind
+    assert response.texts == TEXTS
+    assert response.meta is not None and response.meta.billed_units is not None
+    assert (response.meta.billed_units.input_tokens or 0) > len(TEXTS)
+    assert np.array(cut.embeddings.float_).shape == (1, 8)
+
+
+def test_openai_client_asks_for_int8_through_its_extra_body(server: ServerProcess) -> None:
+    with openai.OpenAI(api_key="unused", base_url=f"{server.url}/v1") as client:
+        response = client.embeddings.create(
+            input=TEXTS, model="any", extra_body={"encoding_format": "int8"}
+        )
+    codes = httpx.post(
+        f"{server.url}/embed", json={"inputs": TEXTS, "encoding": "int8"}, timeout=60
+    ).json()
+    assert [item.embedding for item in response.data] == codes
 
 
 def test_huggingface_hub_inference_client(server: ServerProcess, direct: np.ndarray) -> None:

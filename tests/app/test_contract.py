@@ -70,7 +70,7 @@ OPERATIONS_SERVED_BY_ANY_MODEL = {
 }
 SERVED = {
     "embedding": OPERATIONS_SERVED_BY_ANY_MODEL
-    | {"POST /embed", "POST /v1/embeddings", "POST /similarity"},
+    | {"POST /embed", "POST /v1/embeddings", "POST /v2/embed", "POST /similarity"},
     "reranker": OPERATIONS_SERVED_BY_ANY_MODEL | {"POST /predict", "POST /rerank"},
     "splade": OPERATIONS_SERVED_BY_ANY_MODEL | {"POST /embed_sparse"},
 }

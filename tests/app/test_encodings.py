@@ -90,3 +90,24 @@ async def test_an_unknown_encoding_is_a_422(tiny_checkpoint: Path) -> None:
         openai = await client.post("/v1/embeddings", json={"input": "a", "encoding_format": "x"})
     assert response.status_code == 422 and "encoding" in response.json()["error"]
     assert openai.status_code == 422
+
+
+async def test_encode_gives_the_pooled_vector_as_codes_beside_float_token_vectors(
+    tiny_checkpoint: Path,
+) -> None:
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        codes = (await client.post("/embed", json={"inputs": TEXTS, "encoding": "binary"})).json()
+        body = {"inputs": TEXTS, "quantize": "binary", "token_embeddings": True}
+        encoded = (await client.post("/encode", json=body)).json()
+    assert [item["embedding"] for item in encoded["data"]] == codes
+    assert all(isinstance(item["token_embeddings"][0][0], float) for item in encoded["data"])
+
+
+async def test_encode_without_a_pooled_vector_has_nothing_to_quantize(
+    tiny_checkpoint: Path,
+) -> None:
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        body = {"inputs": "hello", "pooled": False, "quantize": "int8", "token_embeddings": True}
+        response = await client.post("/encode", json=body)
+    assert response.status_code == 200
+    assert "embedding" not in response.json()["data"][0]
