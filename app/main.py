@@ -59,6 +59,7 @@ def create_app(
     torch). `on_fatal` is told when the engine cannot start, so the process can exit
     non-zero; `balance` is a front end's share of the connections (app/balance.py)."""
     metrics = metrics or Metrics()
+    loads_here = engine is None
     if engine is None:
         from app.engine.local import LocalEngine
 
@@ -75,8 +76,13 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Loading runs in the background so that /live answers and /health says 503 meanwhile.
+        # A model loading in this process loads in the background, so that /live answers and
+        # /health says 503 meanwhile. A front end's engines have loaded already: it connects
+        # to them before uvicorn opens its socket, so that no request meets a front end that
+        # is still starting while the others answer.
         loading = asyncio.create_task(start())
+        if not loads_here:
+            await loading
         try:
             yield
         finally:

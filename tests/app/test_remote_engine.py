@@ -16,8 +16,15 @@ from app.engine.protocol import Outcome
 from app.engine.remote import RemoteEngine, least_busy
 from app.engine.state import EngineBoard
 from app.errors import DeadlineError, ServiceError
+from app.main import create_app
 from app.service import WATCH_AFTER, Watch
-from tests.app.conftest import make_settings, running_app, service_of, wait_until
+from tests.app.conftest import (
+    engine_process,
+    make_settings,
+    running_app,
+    service_of,
+    wait_until,
+)
 
 pytestmark = pytest.mark.anyio
 MANY = ["the quick brown fox jumps over the lazy dog"] * 2000
@@ -129,3 +136,13 @@ def test_idle_engines_leave_work_on_the_first_and_a_busy_one_passes_it_on(
     board.publish(1, 50, 0.001)
     board.publish(2, 80, 0.001)
     assert least_busy(board, [0, 9, 0]) == 1  # the least work ahead comes first
+
+
+async def test_a_front_end_is_ready_before_its_server_takes_requests(tiny_checkpoint: Path) -> None:
+    """Its lifespan connects to the engines before it ends (uvicorn listens after that), so
+    that no request reaches a front end still starting while the others answer."""
+    settings = make_settings(tiny_checkpoint)
+    with engine_process(settings) as engine:
+        app = create_app(settings, engine)
+        async with app.router.lifespan_context(app):
+            assert service_of(app).ready
