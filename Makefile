@@ -59,6 +59,7 @@ test: dev system-deps lint
 bench:
 	$(PIP) -c constraints.txt -e '.[bench]'
 	$(BIN)/python -m bench.onnx_compare
+	$(BIN)/python -m bench.retrieval_quality
 	$(BIN)/python -m bench.encoder
 	$(BIN)/python -m bench.layers
 	$(BIN)/python -m bench.server
