@@ -81,9 +81,9 @@ def create_app(
         # to them before uvicorn opens its socket, so that no request meets a front end that
         # is still starting while the others answer.
         loading = asyncio.create_task(start())
-        if not loads_here:
-            await loading
         try:
+            if not loads_here:
+                await loading
             yield
         finally:
             loading.cancel()

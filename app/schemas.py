@@ -520,7 +520,8 @@ class EncodeRequest(TruncatingRequest):
         description=(
             "The pooled vector as compact codes, a JSON list of integers (null: floats, as "
             "`encoding` says), as /embed's `encoding` gives them: int8 or uint8 on /info's "
-            "ranges, binary or ubinary sign bits."
+            "ranges, binary or ubinary sign bits. Without a pooled vector there is nothing to "
+            "code, and it is ignored."
         ),
     )
 
@@ -602,7 +603,10 @@ class InfoResponse(BaseModel):
         description="What the model serves: /embed, /predict and /rerank, or /embed_sparse."
     )
     labels: list[str] = Field(description="A classifier's labels, in the order of its logits.")
-    architecture: str = Field(description="config.json's model_type: bert, roberta, ...")
+    architecture: str = Field(
+        description="config.json's model_type (bert, roberta, ...); jina_bert for a bert "
+        "config with ALiBi positions."
+    )
     positions: str = Field(description="The position scheme: learned, rotary, alibi, ...")
     dimensions: int = Field(description="Size of the pooled vectors (after any Dense layer).")
     hidden_size: int = Field(description="Size of the per-token vectors.")
@@ -624,7 +628,7 @@ class InfoResponse(BaseModel):
         description=(
             "An embedding model's ranges for int8 and uint8 codes, per dimension, of "
             "normalised vectors at full size, from its calibration texts: code = "
-            "(value - min) / ((max - min) / 255), less 128 for int8, clipped."
+            "floor((value - min) / ((max - min) / 255)), clipped to 0..255, less 128 for int8."
         )
     )
     auto_truncate: bool

@@ -33,7 +33,7 @@ from model.activations import Activation, activate
 # ran within noise of the 1,024-row layout in both dtypes.
 EXPECTED_ROWS = 64
 FROZEN = "a prepacked linear layer cannot be {}: build the model with prepack=False"
-# This code's activation names (model/architectures/bert.py) as oneDNN post-ops.
+# This code's activation names (model/activations.py) as oneDNN post-ops.
 POST_OPS = {"gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
 
 

@@ -29,7 +29,7 @@ Precision = Literal["int8", "uint8", "binary", "ubinary"]
 PRECISIONS: tuple[Precision, ...] = ("int8", "uint8", "binary", "ubinary")
 CodeArray = npt.NDArray[np.int8] | npt.NDArray[np.uint8]
 
-# The built-in calibration set: every combination of these, a few hundred sentences of
+# The built-in calibration set: every combination of these, and the questions, sentences of
 # varied subjects, lengths and registers.
 _OPENINGS = (
     "The committee approved the budget",
@@ -70,6 +70,10 @@ def builtin_calibration_texts() -> list[str]:
     return sentences + list(_QUESTIONS)
 
 
+# A calibration file's most texts: every front end holds their vectors.
+MAX_CALIBRATION_TEXTS = 10_000
+
+
 def read_calibration_file(path: Path) -> list[str]:
     """One text per line, blank lines skipped."""
     try:
@@ -77,8 +81,11 @@ def read_calibration_file(path: Path) -> list[str]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"calibration file {path}: {exc}") from exc
     texts = [line for line in lines if line.strip()]
-    if len(texts) < 2:
-        raise ConfigError(f"calibration file {path}: needs at least 2 non-blank lines")
+    if not 2 <= len(texts) <= MAX_CALIBRATION_TEXTS:
+        raise ConfigError(
+            f"calibration file {path}: needs 2 to {MAX_CALIBRATION_TEXTS} non-blank lines, "
+            f"has {len(texts)}"
+        )
     return texts
 
 

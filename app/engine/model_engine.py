@@ -75,6 +75,8 @@ class ModelEngine:
         ).result()
         if embedder.prepacked:
             log.info("%d linear layers prepacked for oneDNN", embedder.prepacked)
+        if embedder.quantized:
+            log.info("%d linear layers in int8", embedder.quantized)
         if self.weights is not None:
             compute.submit(embedder.share_weights, self.weights).result()
         seconds_per_token = compute.submit(self._warm_up, embedder).result()
@@ -111,14 +113,21 @@ class ModelEngine:
         (model/quantization.py)."""
         path = self.settings.calibration_file
         texts = builtin_calibration_texts() if path is None else read_calibration_file(path)
-        encoded = embedder.tokenize(texts)  # cut to the model's length, as requests are
-        step = self.settings.max_batch_inputs
-        return np.concatenate(
-            [
-                embedder.forward(encoded[start : start + step]).pooled.float().numpy()
-                for start in range(0, len(encoded), step)
-            ]
-        )
+        # Cut to the model's length, as requests are; the ranges are a set's minimum and
+        # maximum, so the texts may run in any order: by length, in batches within the
+        # batch limits.
+        encoded = sorted(embedder.tokenize(texts), key=lambda item: len(item.ids))
+        batches: list[list[Encoded]] = [[]]
+        for item in encoded:
+            batch = batches[-1]
+            size = len(batch) + 1
+            if batch and (
+                size > self.settings.max_batch_inputs
+                or size * len(item.ids) > self.settings.max_batch_tokens
+            ):
+                batches.append([])
+            batches[-1].append(item)
+        return np.concatenate([embedder.forward(batch).pooled.float().numpy() for batch in batches])
 
     @staticmethod
     def _warm_up(embedder: Embedder) -> float:

@@ -25,10 +25,12 @@ PROMPT_NAMES: dict[CohereInputType, tuple[str, ...]] = {
 
 
 def prompt_for(prompts: Mapping[str, str], input_type: CohereInputType | None) -> str | None:
-    """The folder's prompt for the input type, else None (the model's default prompt)."""
+    """The folder's prompt for the input type, its name in any case (EmbeddingGemma's are
+    `Classification`, `Clustering`), else None (the model's default prompt)."""
     if input_type is None:
         return None
-    return next((name for name in PROMPT_NAMES[input_type] if name in prompts), None)
+    by_lower = {name.lower(): name for name in prompts}
+    return next((by_lower[name] for name in PROMPT_NAMES[input_type] if name in by_lower), None)
 
 
 @router.post(

@@ -23,6 +23,7 @@ def test_input_types_find_the_folders_prompt_by_its_usual_names() -> None:
     assert prompt_for(prompts, "classification") is None  # the model's default prompt
     assert prompt_for({"search_query": "", "query": "q: "}, "search_query") == "search_query"
     assert prompt_for(prompts, None) is None
+    assert prompt_for({"Clustering": "c: "}, "clustering") == "Clustering"
 
 
 async def test_v2_embed_answers_in_cohere_shape_with_the_vectors_of_embed(

@@ -84,6 +84,13 @@ async def test_the_operators_calibration_file_sets_the_ranges(
     assert np.allclose(quantization["max"], vectors.max(axis=0), atol=1e-6)
 
 
+async def test_calibration_keeps_to_the_batch_limits(tiny_checkpoint: Path) -> None:
+    settings = make_settings(tiny_checkpoint, max_batch_inputs=2, max_batch_tokens=64)
+    async with running_app(settings) as (_, client):
+        quantization = (await client.get("/info")).json()["quantization"]
+    assert quantization["calibration_texts"] == len(builtin_calibration_texts())
+
+
 async def test_an_unknown_encoding_is_a_422(tiny_checkpoint: Path) -> None:
     async with running_app(make_settings(tiny_checkpoint)) as (_, client):
         response = await client.post("/embed", json={"inputs": "a", "encoding": "int4"})

@@ -77,7 +77,7 @@ def test_calibration_texts_builtin_and_from_a_file(tmp_path: Path) -> None:
     file.write_text("first text\n\n  \nsecond text\n", encoding="utf-8")
     assert read_calibration_file(file) == ["first text", "second text"]
     file.write_text("only one\n", encoding="utf-8")
-    with pytest.raises(ConfigError, match="at least 2 non-blank lines"):
+    with pytest.raises(ConfigError, match="needs 2 to 10000 non-blank lines, has 1"):
         read_calibration_file(file)
     with pytest.raises(ConfigError, match="calibration file"):
         read_calibration_file(tmp_path / "missing.txt")
