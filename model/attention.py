@@ -26,6 +26,12 @@ def key_padding_mask(attention_mask: Tensor) -> Tensor:
     return attention_mask.bool()[:, None, None, :]
 
 
+def sliding_window(width: int, window: int, device: torch.device) -> Tensor:
+    """(T, T) bool: True where query and key are at most `window` positions apart."""
+    position = torch.arange(width, device=device)
+    return (position[None, :] - position[:, None]).abs() <= window
+
+
 @dataclass(frozen=True)
 class MapRequest:
     """Which attention probabilities a forward pass keeps: these layers, these heads."""

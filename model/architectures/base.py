@@ -61,6 +61,10 @@ class ConfigReader:
             )
         return options[value]
 
+    def flag(self, key: str, default: bool) -> bool:
+        """A switch that takes JSON booleans only (not 0, 1 or "true")."""
+        return self.choice(key, {False: False, True: True}, default)
+
     def expect(self, key: str, supported: Any, default: Any) -> None:
         """A key this code implements for one value only; any other value is refused."""
         value = self.raw.get(key, default)

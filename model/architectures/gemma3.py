@@ -21,13 +21,10 @@ from torch import Tensor, nn
 from model.activations import ACTIVATIONS, Activation, activate
 from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
 from model.architectures.modernbert import global_layers, rope_theta
-from model.attention import NO_MAPS, MapRequest, attend
+from model.attention import NO_MAPS, MapRequest, attend, sliding_window
 from model.errors import ConfigError
 from model.packing import TokenLayout, in_row_chunks
 from model.rotary import rotary_tables, rotate
-
-# `attention_bias` takes JSON booleans only.
-FLAGS = {False: False, True: True}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +94,7 @@ class Gemma3Config(EncoderConfig):
             full_layers=full_layers(config, num_layers),
             hidden_activation=config.choice("hidden_activation", ACTIVATIONS, "gelu_pytorch_tanh"),
             rms_norm_eps=config.number("rms_norm_eps", 1e-6),
-            attention_bias=config.choice("attention_bias", FLAGS, False),
+            attention_bias=config.flag("attention_bias", False),
             query_pre_attn_scalar=config.number("query_pre_attn_scalar", 256),
             # transformers keeps tokens closer than `sliding_window // 2 + 1` on either side.
             local_window=config.positive_int("sliding_window", 4096) // 2,
@@ -267,8 +264,7 @@ class Gemma3Encoder(Encoder):
         x = self.embed_tokens(input_ids)  # (B, T, D)
         width = input_ids.shape[1]
         config, device = self.config, input_ids.device
-        position = torch.arange(width, device=device)
-        window = (position[None, :] - position[:, None]).abs() <= config.local_window  # (T, T)
+        window = sliding_window(width, config.local_window, device)  # (T, T)
         # Keyed by whether a layer attends fully: its rotary tables and the keys it may see.
         rotary = {
             full: rotary_tables(theta, config.head_dim, width, device, x.dtype)

@@ -11,18 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import Tensor, nn
 
 from model.activations import ACTIVATIONS, Activation, activate
 from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
-from model.attention import NO_MAPS, MapRequest, attend
+from model.attention import NO_MAPS, MapRequest, attend, sliding_window
 from model.errors import ConfigError
 from model.packing import TokenLayout, in_row_chunks
 from model.rotary import rotary_tables, rotate
 
-# The bias switches (`attention_bias`, `mlp_bias`, `norm_bias`) take JSON booleans only.
-FLAGS = {False: False, True: True}
 # `layer_types` entries (transformers 5 configs): True for a global layer.
 LAYER_TYPES = {"full_attention": True, "sliding_attention": False}
 
@@ -74,9 +71,9 @@ class ModernBertConfig(EncoderConfig):
             global_layers=global_layers(config, num_layers),
             hidden_activation=config.choice("hidden_activation", ACTIVATIONS, "gelu"),
             norm_eps=config.number("norm_eps", 1e-5),
-            norm_bias=config.choice("norm_bias", FLAGS, False),
-            attention_bias=config.choice("attention_bias", FLAGS, False),
-            mlp_bias=config.choice("mlp_bias", FLAGS, False),
+            norm_bias=config.flag("norm_bias", False),
+            attention_bias=config.flag("attention_bias", False),
+            mlp_bias=config.flag("mlp_bias", False),
             local_window=config.positive_int("local_attention", 128) // 2,
             global_rope_theta=rope_theta(config, "full_attention", "global_rope_theta", 160_000.0),
             local_rope_theta=rope_theta(config, "sliding_attention", "local_rope_theta", 10_000.0),
@@ -230,8 +227,7 @@ class ModernBertEncoder(Encoder):
         x = self.embeddings(input_ids)  # (B, T, D)
         width = input_ids.shape[1]
         config, device = self.config, input_ids.device
-        position = torch.arange(width, device=device)
-        window = (position[None, :] - position[:, None]).abs() <= config.local_window  # (T, T)
+        window = sliding_window(width, config.local_window, device)  # (T, T)
         # Keyed by whether a layer is global: its rotary tables and the keys it may attend to.
         rotary = {
             True: rotary_tables(config.global_rope_theta, config.head_dim, width, device, x.dtype),

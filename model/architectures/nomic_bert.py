@@ -55,7 +55,6 @@ GATES: dict[FeedForward, Callable[[Tensor], Tensor]] = {
 }
 # The authors' gated feed-forward rounds its width up to a multiple of this.
 GATED_WIDTH_MULTIPLE = 256
-FLAGS = {False: False, True: True}
 # Keys of the authors' code that would change the network, at the one value implemented here
 # (their default).
 ONLY_DEFAULTS = {
@@ -154,9 +153,9 @@ class NomicBertConfig(EncoderConfig):
             rotary_emb_base=config.number("rotary_emb_base", 10_000.0),
             rotary_scaling_factor=scaling_factor(config),
             max_trained_positions=config.positive_int("max_trained_positions", 2048),
-            qkv_proj_bias=config.choice("qkv_proj_bias", FLAGS, True),
-            mlp_fc1_bias=config.choice("mlp_fc1_bias", FLAGS, True),
-            mlp_fc2_bias=config.choice("mlp_fc2_bias", FLAGS, True),
+            qkv_proj_bias=config.flag("qkv_proj_bias", True),
+            mlp_fc1_bias=config.flag("mlp_fc1_bias", True),
+            mlp_fc2_bias=config.flag("mlp_fc2_bias", True),
         )
 
     def build(self) -> NomicBertEncoder:

@@ -30,9 +30,6 @@ from model.errors import ConfigError
 from model.packing import TokenLayout, in_row_chunks
 from model.rotary import rotary_tables, rotate
 
-# `attention_bias` takes JSON booleans only.
-FLAGS = {False: False, True: True}
-
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen3Config(EncoderConfig):
@@ -92,7 +89,7 @@ class Qwen3Config(EncoderConfig):
             num_key_value_heads=config.positive_int("num_key_value_heads", num_heads),
             head_size=config.positive_int("head_dim", 128),
             rms_norm_eps=config.number("rms_norm_eps", 1e-6),
-            attention_bias=config.choice("attention_bias", FLAGS, False),
+            attention_bias=config.flag("attention_bias", False),
             rope_theta=rope_theta(config),
         )
 
