@@ -54,10 +54,24 @@ class ConfigReader:
 
     def choice(self, key: str, options: Mapping[Any, T], default: Any) -> T:
         """A value that must be one of `options`' keys, mapped to what this code calls it."""
-        value = self.raw.get(key, default)
+        return self.choice_of(key, self.raw.get(key, default), options)
+
+    def layer_types(self, num_layers: int, supported: Mapping[str, T]) -> tuple[T, ...] | None:
+        """`layer_types` (transformers 5 configs), one supported entry per layer, mapped to
+        what this code calls it; None where the config predates the key."""
+        types = self.raw.get("layer_types")
+        if types is None:
+            return None
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise self.error(
+                f"key 'layer_types' must list one type for each of {num_layers} layers"
+            )
+        return tuple(self.choice_of("layer_types entry", kind, supported) for kind in types)
+
+    def choice_of(self, name: str, value: Any, options: Mapping[Any, T]) -> T:
         if value not in options:
             raise self.error(
-                f"unsupported {key} {value!r} (supported: {', '.join(map(str, options))})"
+                f"unsupported {name} {value!r} (supported: {', '.join(map(str, options))})"
             )
         return options[value]
 

@@ -85,18 +85,11 @@ class ModernBertConfig(EncoderConfig):
 
 def global_layers(config: ConfigReader, num_layers: int) -> tuple[bool, ...]:
     """From `layer_types` (transformers 5), else from `global_attn_every_n_layers` (older)."""
-    types = config.raw.get("layer_types")
+    types = config.layer_types(num_layers, LAYER_TYPES)
     if types is None:
         every = config.positive_int("global_attn_every_n_layers", 3)
         return tuple(index % every == 0 for index in range(num_layers))
-    if not isinstance(types, list) or len(types) != num_layers:
-        raise config.error(f"key 'layer_types' must list one type for each of {num_layers} layers")
-    for kind in types:
-        if kind not in LAYER_TYPES:
-            raise config.error(
-                f"unsupported layer_types entry {kind!r} (supported: {', '.join(LAYER_TYPES)})"
-            )
-    return tuple(LAYER_TYPES[kind] for kind in types)
+    return types
 
 
 def rope_theta(config: ConfigReader, layer_type: str, flat_key: str, default: float) -> float:

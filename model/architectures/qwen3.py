@@ -75,7 +75,8 @@ class Qwen3Config(EncoderConfig):
         config.expect("hidden_act", "silu", "silu")
         # Sliding-window layers would see only the last `sliding_window` tokens.
         config.expect("use_sliding_window", False, False)
-        full_attention_only(config, num_layers)
+        # Every layer attends to all before it: no sliding layers.
+        config.layer_types(num_layers, {"full_attention": True})
         return cls(
             model_type="qwen3",
             vocab_size=config.positive_int("vocab_size"),
@@ -95,20 +96,6 @@ class Qwen3Config(EncoderConfig):
 
     def build(self) -> Qwen3Encoder:
         return Qwen3Encoder(self)
-
-
-def full_attention_only(config: ConfigReader, num_layers: int) -> None:
-    """`layer_types` (transformers 5) may only say that every layer attends to all before it."""
-    types = config.raw.get("layer_types")
-    if types is None:
-        return
-    if not isinstance(types, list) or len(types) != num_layers:
-        raise config.error(f"key 'layer_types' must list one type for each of {num_layers} layers")
-    for kind in types:
-        if kind != "full_attention":
-            raise config.error(
-                f"unsupported layer_types entry {kind!r} (only 'full_attention' is implemented)"
-            )
 
 
 def rope_theta(config: ConfigReader) -> float:
