@@ -66,7 +66,8 @@ RUN --mount=type=secret,id=cacert \
  && rm /tmp/requirements.txt
 
 # Layer 3: the project's code (seconds to rebuild; no network: the backend is in layer 2).
-COPY README.md ./
+# setup.py generates the gRPC code from app/grpc/tei.proto with layer 2's grpcio-tools.
+COPY README.md setup.py ./
 COPY model ./model
 COPY app ./app
 RUN pip install --no-deps --no-build-isolation . \

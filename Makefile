@@ -1,5 +1,7 @@
 # Two entry points: `make serve` (install and serve the default model) and
 # `make test` (install the dev and system dependencies, lint, type-check and run the tests).
+# `make check` is the fast tier for the edit-test loop: lint, type-check and the tests that
+# start no process, browser or load balancer (pytest -m "not slow"; tests/conftest.py).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -17,7 +19,7 @@ APT_PACKAGES := chromium haproxy prometheus wrk
 # Debian's docker-compose for a smoke test of docker-compose.yml.
 DOCKER_TEST_PACKAGES := docker.io debootstrap docker-compose
 
-.PHONY: install serve dev system-deps lint test bench deploy-test docker-test
+.PHONY: install serve dev system-deps lint check test docs bench deploy-test docker-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,8 +55,19 @@ lint:
 	$(BIN)/ruff format --check app model tests bench
 	$(BIN)/mypy
 
+# The dev tools, once: `make check` installs nothing more after that.
+$(BIN)/ruff:
+	$(MAKE) dev
+
+check: $(BIN)/ruff lint
+	$(BIN)/python -m pytest -q -m "not slow"
+
 test: dev system-deps lint
 	$(BIN)/python -m pytest
+
+# docs/settings.md from the Settings class (tests/docs/test_settings_doc.py checks it).
+docs: $(BIN)/python
+	$(BIN)/python -m app.settings_doc > docs/settings.md.new && mv docs/settings.md.new docs/settings.md
 
 bench:
 	$(PIP) -c constraints.txt -e '.[bench]'
@@ -66,13 +79,14 @@ bench:
 	$(BIN)/python -m bench.batch_wait
 	$(BIN)/python -m bench.placements
 	$(BIN)/python -m bench.serving_cost
+	$(BIN)/python -m bench.grpc_cost  # needs h2load (Debian's nghttp2-client)
 
 # The compose topology (HAProxy, Prometheus, two replicas) without Docker; `make test` runs it too.
 deploy-test: dev system-deps
 	$(BIN)/python -m pytest tests/deploy -v -rP
 
 # Builds and runs the image on a private Docker engine: root, several minutes, PyPI access.
-# Not run by CI (see README, Deploying). ARGS="--rebuild-base --keep-engine" are its options.
+# Not run by CI (see docs/deploying.md). ARGS="--rebuild-base --keep-engine" are its options.
 docker-test: dev
 	$(MAKE) system-deps APT_PACKAGES="$(DOCKER_TEST_PACKAGES)"
 	$(BIN)/python -m tests.deploy.docker_image $(ARGS)

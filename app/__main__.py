@@ -5,6 +5,7 @@ processes under a supervisor (app/supervisor.py)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
 from pydantic_settings import CliApp
@@ -14,6 +15,7 @@ from app.memory import limit_arenas
 from app.settings import Settings
 from app.supervisor import resolve_devices_in_child, supervise
 from model import ModelError
+from model.footprint import weight_bytes
 from model.resolve import resolve_model_dir
 
 
@@ -36,17 +38,53 @@ def placed(settings: Settings) -> Settings:
     return settings.placed_on(resolve_devices_in_child(settings.devices))
 
 
+def model_folders(settings: Settings) -> dict[str, Path]:
+    """Each served model's folder; a ModelError names the model that has none."""
+    folders = {}
+    for served in settings.models():
+        try:
+            folders[served.name] = resolve_model_dir(
+                served.model_id, allow_download=settings.allow_download
+            )
+        except ModelError as exc:
+            raise type(exc)(f"model {served.name}: {exc}") from exc
+    return folders
+
+
+def over_budget(settings: Settings, folders: dict[str, Path]) -> str | None:
+    """Why the models cannot fit `memory_budget_mb`, if they cannot: their weights at the
+    dtype they run in, once per GPU they are on and once for the CPU's engines (which share
+    one copy)."""
+    if settings.memory_budget_mb is None:
+        return None
+    gpus = sum(1 for device in settings.devices if device.startswith("cuda"))
+    copies = gpus + (1 if gpus < len(settings.devices) else 0)
+    mib = {
+        name: copies * weight_bytes(folder, settings.dtype) / 2**20
+        for name, folder in folders.items()
+    }
+    if sum(mib.values()) <= settings.memory_budget_mb:
+        return None
+    each = ", ".join(f"{name}: {size:.0f} MiB" for name, size in mib.items())
+    return (
+        f"the models' weights need about {sum(mib.values()):.0f} MiB ({each}), more than "
+        f"memory_budget_mb {settings.memory_budget_mb}"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     # Before any thread starts: a malloc arena per thread is what makes RSS creep.
     limit_arenas()
     settings = load_settings(argv)
     configure_logging(settings.log_level, settings.log_format)
     try:
-        # Fail before binding the port when the model id or the device cannot work.
-        resolve_model_dir(settings.model_id, allow_download=settings.allow_download)
+        # Fail before binding the port when a model id or the device cannot work.
+        folders = model_folders(settings)
         settings = placed(settings)
     except ModelError as exc:
         sys.exit(f"embedding-server: {exc}")
+    if (refusal := over_budget(settings, folders)) is not None:
+        sys.exit(f"embedding-server: {refusal}")
     if settings.split():
         sys.exit(supervise(settings))
     from app.server import serve  # with torch: only a server that runs the model needs it

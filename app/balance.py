@@ -2,12 +2,11 @@
 
 The kernel places each new connection on a worker by a hash of its addresses, and the
 connection then stays there: with a few long-lived clients, one worker can hold them all
-while another idles (4 x 32 ran at 0.6x the even split in one measured round, all four
-connections on one worker). Each worker publishes how many connections it holds, in memory
-the supervisor shares with all of them, several times a second; a worker holding more than
-its share asks that many clients to reconnect, with `Connection: close` on their next
-response, and the kernel places the new connections anew. Idle connections cost nothing
-and are left alone.
+while another idles, and the server then runs at the speed of one. Each worker publishes how
+many connections it holds, in memory the supervisor shares with all of them, several times a
+second; a worker holding more than its share asks that many clients to reconnect, with
+`Connection: close` on their next response, and the kernel places the new connections anew.
+Idle connections cost nothing and are left alone.
 """
 
 from __future__ import annotations

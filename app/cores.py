@@ -3,7 +3,7 @@ workers, as they were first built: a lone pass takes them all.
 
 Each worker's share is `threads` (by default the CPUs over the workers): one-thread passes
 side by side give the most throughput on a small machine, but a request alone would run on
-one core while the others idle (README: Benchmarks). So each forward pass runs on as many
+one core while the others idle (docs/benchmarks.md). So each forward pass runs on as many
 torch threads as it can take:
 - all the workers' (at most the CPUs), when no other worker is busy (a batch running, or
   waiting for cores, or inputs in its queue, as while it waits for a fuller batch) or was
@@ -36,9 +36,9 @@ from model.cpus import available_cpus
 # A worker whose batch ended this recently still counts as busy. Its event loop is sending
 # that batch's answers, on a core, and the clients' next requests come back within
 # milliseconds; a pass on all the cores meanwhile would stall at each of its OpenMP barriers
-# behind that loop, and hold the worker's next batch waiting for its share. Under 32 x 1
-# short sentences (bfloat16, 2 cores, two workers), 7% of the passes went wide without it,
-# none with it, and 1 x 1 (the other worker idle for long) still runs on every core.
+# behind that loop, and hold the worker's next batch waiting for its share. With it, passes
+# under a steady load stay on their share, while 1 x 1 (the other worker idle for long) still
+# runs on every core; `embed_forward_passes_total{threads}` shows which.
 RECENTLY_BUSY = 0.01
 
 

@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from app.models import ServedModels
 from app.service import DisconnectWatch, EmbeddingService, watch_disconnect
 
 # Dependencies are `async def` although they never await: FastAPI runs plain `def` ones in
@@ -13,8 +14,16 @@ from app.service import DisconnectWatch, EmbeddingService, watch_disconnect
 
 
 async def get_service(request: Request) -> EmbeddingService:
-    service: EmbeddingService = request.app.state.service
+    """The model a `/models/{name}/` path chose (app/middleware.py), else the first."""
+    service: EmbeddingService = getattr(request.state, "service", None) or request.app.state.service
     return service
+
+
+async def get_services(request: Request) -> list[EmbeddingService]:
+    """The model a `/models/{name}/` path chose, else every served model."""
+    named: EmbeddingService | None = getattr(request.state, "service", None)
+    models: ServedModels = request.app.state.models
+    return [named] if named is not None else list(models.values())
 
 
 async def disconnect_watch(request: Request) -> DisconnectWatch:
@@ -22,4 +31,5 @@ async def disconnect_watch(request: Request) -> DisconnectWatch:
 
 
 ServiceDep = Annotated[EmbeddingService, Depends(get_service)]
+ServicesDep = Annotated[list[EmbeddingService], Depends(get_services)]
 DisconnectDep = Annotated[DisconnectWatch, Depends(disconnect_watch)]

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 from starlette.types import Receive
 
+from app.models import ServedModels
 from app.parsing import parse_body
 from app.service import DisconnectWatch, EmbeddingService, watch_disconnect
 from app.tasks import TASKS, require_task
@@ -58,9 +59,12 @@ async def dispatch(
     route: PostRoute,
     raw: bytes,
     content_type: str,
-    service: EmbeddingService,
+    models: ServedModels,
+    named: EmbeddingService | None,
     receive: Receive,
 ) -> Response:
+    """`named`: the model a `/models/{name}/` path chose, if any (app/models.py)."""
     body = parse_body(route.body, raw, content_type)
+    service = models.for_body(body, named)
     require_task(service.info, path)
     return await route.endpoint(body, service, watch_disconnect(receive))

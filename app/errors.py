@@ -6,6 +6,7 @@
      ├── UnauthorizedError      401  missing or wrong API key
      ├── SlowBodyError          408  the body did not arrive within body_timeout
      ├── PayloadTooLargeError   413  body over the payload limit, or too many inputs
+     ├── UnknownModelError      404  the request names a model this server does not serve
      ├── UnsupportedMediaError  415  body is not application/json
      ├── ValidationFailedError  422  a field is invalid (too long, bad dimensions, ...)
      ├── OverloadedError        429  the queue is full (with Retry-After)
@@ -62,6 +63,12 @@ class PayloadTooLargeError(ServiceError):
     """The body or the number of inputs is over its limit."""
 
     status, error_type, openai_type = 413, "PayloadTooLarge", "invalid_request_error"
+
+
+class UnknownModelError(ServiceError):
+    """The request names a model this server does not serve (OpenAI answers 404 too)."""
+
+    status, error_type, openai_type = 404, "UnknownModel", "invalid_request_error"
 
 
 class UnsupportedMediaError(ServiceError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -18,6 +18,7 @@ from app.engine.protocol import Engine
 from app.handlers import install_handlers
 from app.metrics import Metrics
 from app.middleware import ServiceMiddleware
+from app.models import ServedModels
 from app.openapi import bounded_openapi
 from app.responses import JSONResponse
 from app.routes import classify, cohere, encode, openai, ops, playground, sparse, tei
@@ -37,7 +38,8 @@ UNLIMITED_PATHS = frozenset({"/health", "/live", "/ping", "/metrics"})
 class EmbeddingApp(FastAPI):
     """FastAPI with the service's middleware (app/middleware.py) in front of its whole stack:
     POST routes are answered there (app/dispatch.py), without the framework's own layers on
-    every request (README: Benchmarks); every other request goes on to the framework."""
+    every request (the serving path's cost: docs/benchmarks.md); every other request goes on
+    to the framework."""
 
     front: ASGIApp
 
@@ -50,29 +52,42 @@ class EmbeddingApp(FastAPI):
 
 def create_app(
     settings: Settings,
-    engine: Engine | None = None,
+    engine: Engine | Mapping[str, Engine] | None = None,
     on_fatal: Callable[[str], None] | None = None,
     balance: ConnectionBalance | None = None,
     metrics: Metrics | None = None,
 ) -> FastAPI:
-    """`engine`: where the model runs; by default in this process (which then imports
-    torch). `on_fatal` is told when the engine cannot start, so the process can exit
-    non-zero; `balance` is a front end's share of the connections (app/balance.py)."""
+    """`engine`: where the models run, by served name (one engine alone is the first
+    model's); by default in this process (which then imports torch). `on_fatal` is told
+    when an engine cannot start, so the process can exit non-zero; `balance` is a front
+    end's share of the connections (app/balance.py)."""
     metrics = metrics or Metrics()
+    served = settings.models()
     loads_here = engine is None
+    engines: Mapping[str, Engine]
     if engine is None:
         from app.engine.local import LocalEngine
 
-        engine = LocalEngine(settings, metrics)
-    service = EmbeddingService(settings, metrics, engine)
+        engines = {model.name: LocalEngine(settings, model, metrics) for model in served}
+    elif isinstance(engine, Mapping):
+        engines = engine
+    else:
+        engines = {served[0].name: engine}
+    models = ServedModels(
+        {
+            name: EmbeddingService(settings, metrics.of(name), model_engine)
+            for name, model_engine in engines.items()
+        }
+    )
+    service = models.default
 
-    async def start() -> None:
+    async def start(name: str, service: EmbeddingService) -> None:
         try:
             await service.start()
         except Exception as exc:
-            log.error("start-up failed: %s", service.load_error, exc_info=exc)
+            log.error("start-up of model %s failed: %s", name, service.load_error, exc_info=exc)
             if on_fatal is not None:
-                on_fatal(service.load_error or str(exc))
+                on_fatal(f"model {name}: {service.load_error or exc}")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -80,14 +95,15 @@ def create_app(
         # /health says 503 meanwhile. A front end's engines have loaded already: it connects
         # to them before uvicorn opens its socket, so that no request meets a front end that
         # is still starting while the others answer.
-        loading = asyncio.create_task(start())
+        loading = [asyncio.create_task(start(name, each)) for name, each in models.items()]
         try:
             if not loads_here:
-                await loading
+                await asyncio.gather(*loading)
             yield
         finally:
-            loading.cancel()
-            await service.stop()
+            for task in loading:
+                task.cancel()
+            await asyncio.gather(*(each.stop() for each in models.values()))
 
     app = EmbeddingApp(
         title="embedding-server",
@@ -104,7 +120,8 @@ def create_app(
     )
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.service = service
+    app.state.service = service  # the first model's: the routes that name none
+    app.state.models = models
     routes: set[str] = set()
     protected = set(PROTECTED_ROUTES)
     for module in (tei, openai, cohere, encode, classify, sparse, ops, playground):
@@ -131,7 +148,7 @@ def create_app(
         api_key=api_key,
         max_concurrent=settings.max_concurrent_requests,
         unlimited=UNLIMITED_PATHS,
-        service=service,
+        models=models,
         post_routes=post_routes(module.router for module in PROTECTED_ROUTERS),
         balance=balance,
     )

@@ -4,7 +4,7 @@ glibc gives every thread that allocates its own arena (up to 8 per core), and re
 memory to the system only from the top of each heap. With an event loop, a worker, tokenizer
 and rendering threads each freeing large JSON bodies and arrays, RSS then climbs for minutes
 without a leak. Two arenas, and a trim between batches (at most once a second), keep it flat
-(measured with bench/soak.py). Elsewhere than glibc both calls are skipped.
+(`python -m bench.soak` checks; docs/benchmarks.md). Elsewhere than glibc both calls are skipped.
 """
 
 from __future__ import annotations

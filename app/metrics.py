@@ -8,7 +8,7 @@ alike, and a scrape reports them all.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -55,47 +55,64 @@ class Metrics:
             "Connections closed after a response to even them out over the front ends.",
             registry=r,
         )
+        # The model's own work, labelled by the served model's name (several models, one
+        # server): each has its own queue, batches and forward passes.
+        per_model = ["model"]
         self.forward_passes = Counter(
             "embed_forward_passes",
             "Forward passes by the torch threads they ran on (several CPU engines, app/cores.py).",
-            ["threads"],
+            ["model", "threads"],
             registry=r,
         )
-        self.inputs = Counter("embed_inputs", "Inputs embedded.", registry=r)
-        self.tokens = Counter("embed_tokens", "Tokens embedded (padding excluded).", registry=r)
+        self.inputs = Counter("embed_inputs", "Inputs embedded.", per_model, registry=r)
+        self.tokens = Counter(
+            "embed_tokens", "Tokens embedded (padding excluded).", per_model, registry=r
+        )
         self.queue_depth = Gauge(
             "embed_queue_depth",
             "Inputs waiting for the model.",
+            per_model,
             registry=r,
             multiprocess_mode="livesum",
         )
         self.queue_tokens = Gauge(
             "embed_queue_tokens",
             "Tokens of the inputs waiting for the model.",
+            per_model,
             registry=r,
             multiprocess_mode="livesum",
         )
         self.batch_size = Histogram(
-            "embed_batch_size", "Inputs per forward pass.", buckets=BATCH_SIZE_BUCKETS, registry=r
+            "embed_batch_size",
+            "Inputs per forward pass.",
+            per_model,
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=r,
         )
         self.batch_tokens = Histogram(
             "embed_batch_tokens",
             "Padded tokens (longest x count) per forward pass.",
+            per_model,
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
         self.padding_ratio = Histogram(
             "embed_padding_ratio",
             "Share of a batch's padded tokens that are padding.",
+            per_model,
             buckets=RATIO_BUCKETS,
             registry=r,
         )
-        self.tokenization_seconds = self._duration("tokenization", "Tokenizing one request.")
-        self.queue_seconds = self._duration("queue", "An input's wait before its forward pass.")
-        self.inference_seconds = self._duration("inference", "One forward pass.")
+        self.tokenization_seconds = self._duration(
+            "tokenization", "Tokenizing one request.", per_model
+        )
+        self.queue_seconds = self._duration(
+            "queue", "An input's wait before its forward pass.", per_model
+        )
+        self.inference_seconds = self._duration("inference", "One forward pass.", per_model)
         self.request_seconds = self._duration("request", "One HTTP request, end to end.")
         self.input_tokens = Histogram(
-            "embed_input_tokens", "Tokens per input.", buckets=TOKEN_BUCKETS, registry=r
+            "embed_input_tokens", "Tokens per input.", per_model, buckets=TOKEN_BUCKETS, registry=r
         )
         self.model_info = Gauge(
             "embed_model_info",
@@ -104,6 +121,51 @@ class Metrics:
             registry=r,
             multiprocess_mode="max",
         )
+
+    def of(self, model: str) -> ModelMetrics:
+        """The metrics of one served model's work."""
+        return ModelMetrics(self, model)
+
+    def render(self) -> bytes:
+        """The exposition text: this process's values, or every worker's summed."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        workers = CollectorRegistry()
+        MultiProcessCollector(workers, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(workers)
+
+    def _duration(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Histogram:
+        return Histogram(
+            f"embed_{name}_duration_seconds",
+            documentation,
+            labels,
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+
+
+class ModelMetrics:
+    """One served model's children of the labelled metrics, named as the families are."""
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self.model = model
+        self.multiprocess_dir = metrics.multiprocess_dir
+        self.model_info = metrics.model_info
+        self._forward_passes = metrics.forward_passes
+        self.inputs = metrics.inputs.labels(model)
+        self.tokens = metrics.tokens.labels(model)
+        self.queue_depth = metrics.queue_depth.labels(model)
+        self.queue_tokens = metrics.queue_tokens.labels(model)
+        self.batch_size = metrics.batch_size.labels(model)
+        self.batch_tokens = metrics.batch_tokens.labels(model)
+        self.padding_ratio = metrics.padding_ratio.labels(model)
+        self.tokenization_seconds = metrics.tokenization_seconds.labels(model)
+        self.queue_seconds = metrics.queue_seconds.labels(model)
+        self.inference_seconds = metrics.inference_seconds.labels(model)
+        self.input_tokens = metrics.input_tokens.labels(model)
+
+    def forward_pass(self, threads: int) -> None:
+        self._forward_passes.labels(self.model, str(threads)).inc()
 
     def watch_queue(
         self, depth: Callable[[], int], tokens: Callable[[], int]
@@ -122,22 +184,6 @@ class Metrics:
             self.queue_tokens.set(tokens())
 
         return publish
-
-    def render(self) -> bytes:
-        """The exposition text: this process's values, or every worker's summed."""
-        if self.multiprocess_dir is None:
-            return generate_latest(self.registry)
-        workers = CollectorRegistry()
-        MultiProcessCollector(workers, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
-        return generate_latest(workers)
-
-    def _duration(self, name: str, documentation: str) -> Histogram:
-        return Histogram(
-            f"embed_{name}_duration_seconds",
-            documentation,
-            buckets=DURATION_BUCKETS,
-            registry=self.registry,
-        )
 
 
 def _nothing() -> None:

@@ -32,7 +32,7 @@ from app.errors import (
 )
 from app.handlers import render_error
 from app.metrics import Metrics
-from app.service import EmbeddingService
+from app.models import ServedModels
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class ServiceMiddleware:
         api_key: str | None,
         max_concurrent: int,
         unlimited: Container[str],
-        service: EmbeddingService,
+        models: ServedModels,
         post_routes: Mapping[str, PostRoute],
         balance: ConnectionBalance | None = None,
     ) -> None:
@@ -66,7 +66,7 @@ class ServiceMiddleware:
         self.max_concurrent = max_concurrent
         self.unlimited = unlimited
         self.active = 0
-        self.service = service
+        self.models = models
         self.post_routes = post_routes
         self.balance = balance
         # Unique per process start, then a counter: cheaper than a uuid4 per request.
@@ -88,7 +88,7 @@ class ServiceMiddleware:
         request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or self._next_id()
         scope.setdefault("state", {})["request_id"] = request_id
         path: str = scope["path"]
-        route = path if path in self.routes else "other"
+        route = "other"
         status = 500
         started_response = False
 
@@ -108,6 +108,9 @@ class ServiceMiddleware:
 
         admitted = False
         try:
+            # A path under /models/{name}/ is that model's route (app/models.py).
+            named, path = self.models.route(path)
+            route = path if path in self.routes else "other"
             if path not in self.unlimited:
                 self._admit()
                 admitted = True
@@ -115,14 +118,19 @@ class ServiceMiddleware:
             if scope["method"] == "POST" and (path == "/" or path in self.post_routes):
                 raw = await self._read_body(headers, receive)
                 post = (
-                    main_route(self.post_routes, self.service, raw)
+                    main_route(self.post_routes, named or self.models.default, raw)
                     if path == "/"
                     else self.post_routes[path]
                 )
                 content_type = headers.get(b"content-type", b"").decode("latin-1")
-                response = await dispatch(path, post, raw, content_type, self.service, receive)
+                response = await dispatch(
+                    path, post, raw, content_type, self.models, named, receive
+                )
                 await response(scope, receive, send_with_id)
                 return
+            if named is not None:  # the framework's routes, for that model (its /info, say)
+                scope = {**scope, "path": path, "raw_path": path.encode()}
+                scope["state"]["service"] = named
             await self.app(scope, receive, send_with_id)
         except ServiceError as error:  # raised here (limits, the API key, the body) or a route
             response = render_error(self.metrics, path, error, request_id)

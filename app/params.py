@@ -7,6 +7,7 @@ this module and never on each other.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from model import Direction
 
@@ -35,3 +36,15 @@ class EncodeOptions:
     pooled: bool = True
     token_embeddings: bool = False
     attention: AttentionQuery | None = None
+
+
+ChunkMode = Literal["independent", "late"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkOptions:
+    """How long texts are cut into chunks (app/chunking.py)."""
+
+    mode: ChunkMode = "late"
+    size: int | None = None  # tokens per chunk; None: as many as the model takes, up to 256
+    overlap: int = 0  # tokens each chunk shares with the one before

@@ -17,11 +17,12 @@ import orjson
 from starlette.responses import JSONResponse as StarletteJSONResponse
 from starlette.responses import Response
 
-from app.service import EncodeResult
+from app.service import ChunkedResult, EncodeResult
 from model import FloatArray
 
 Encoding = Literal["float", "base64"]
-# Numbers past which a body is rendered off the event loop (about 1 ms of orjson's time).
+# Numbers past which a body is rendered off the event loop: rendering one that large would
+# hold up every other request on the loop for longer than the thread hop costs.
 OFF_LOOP_VALUES = 100_000
 
 
@@ -60,12 +61,12 @@ def array_payload(array: FloatArray, encoding: Encoding) -> Any:
     return {"dtype": "float32", "shape": list(array.shape), "data": base64_floats(array)}
 
 
-def usage_payload(result: EncodeResult) -> dict[str, int]:
+def usage_payload(result: EncodeResult | ChunkedResult) -> dict[str, int]:
     """OpenAI's usage block; embeddings have no completion, so both counts are the input's."""
     return {"prompt_tokens": result.token_count, "total_tokens": result.token_count}
 
 
-def timing_headers(result: EncodeResult) -> dict[str, str]:
+def timing_headers(result: EncodeResult | ChunkedResult) -> dict[str, str]:
     """Per-request figures in the headers text-embeddings-inference uses (milliseconds)."""
     timings = result.timings
     total = f"{(time.perf_counter() - timings.started) * 1000:.2f}"

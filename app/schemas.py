@@ -25,7 +25,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from app.params import AttentionQuery, EncodeOptions, RawInput, TextPair
+from app.params import (
+    AttentionQuery,
+    ChunkMode,
+    ChunkOptions,
+    EncodeOptions,
+    RawInput,
+    TextPair,
+)
 from app.parsing import EMPTY_INPUT, NOT_UNICODE
 from model.info import Task
 from model.quantization import Precision
@@ -505,6 +512,73 @@ class AttentionRequest(Request):
         )
 
 
+CHUNKING_DESCRIPTION = (
+    "Cut each text into chunks of `size` tokens (ending at a sentence's end where one falls "
+    "in a chunk's second half), overlapping by `overlap` tokens, and return one vector per "
+    "chunk with its character offsets. `late`: the whole text runs through the encoder once "
+    "(in overlapping windows past the model's limit) and each chunk's token vectors are "
+    "pooled, so each chunk's vector has seen its context; `independent`: each chunk's text "
+    "is embedded alone, as /embed would."
+)
+
+
+class Chunking(Request):
+    mode: ChunkMode = Field("late", description="`late` or `independent`.")
+    size: Annotated[StrictInt, Field(ge=1), BeforeValidator(_integral)] | None = Field(
+        None,
+        description=(
+            "Most tokens per chunk, and never more than the model takes beside its special "
+            "tokens and the prompt (so that a chunk can be embedded alone); null: 256."
+        ),
+    )
+    overlap: Annotated[StrictInt, Field(ge=0), BeforeValidator(_integral)] = Field(
+        0,
+        description=(
+            "Tokens each chunk repeats from the end of the one before; below `size` (and "
+            "below the chunk size the model allows)."
+        ),
+    )
+
+    def options(self) -> ChunkOptions:
+        return ChunkOptions(self.mode, self.size, self.overlap)
+
+
+class ChunkRequest(Request):
+    """POST /embed_chunks: texts in, vectors with offsets out."""
+
+    inputs: Annotated[
+        Text
+        | Annotated[
+            list[Text],
+            AfterValidator(_not_empty),
+            Field(json_schema_extra={"minItems": 1, **bound("inputs")}),
+        ],
+        expecting("a text or a list of texts"),
+    ] = Field(description="A text or a list of texts.")
+    chunking: Chunking = Field(default_factory=Chunking, description=CHUNKING_DESCRIPTION)
+    prompt_name: PromptName | None = Field(None, description=PROMPT_DESCRIPTION)
+    normalize: StrictBool = Field(True, description="L2-normalise each vector.")
+    dimensions: Dimensions | None = Field(
+        None, description="Keep the first N dimensions (Matryoshka), then normalise."
+    )
+    encoding: VectorEncoding = Field("float", description=ENCODING_DESCRIPTION)
+
+    def inputs_list(self) -> list[RawInput]:
+        return [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
+
+    def options(self) -> EncodeOptions:
+        return EncodeOptions(
+            prompt_name=self.prompt_name, normalize=self.normalize, dimensions=self.dimensions
+        )
+
+
+class ChunkVector(BaseModel):
+    start: int = Field(description="The chunk's first character in the text as sent.")
+    end: int = Field(description="One past its last character.")
+    tokens: int = Field(description="The text's tokens in the chunk.")
+    embedding: list[float] | list[int] | str
+
+
 class EncodeRequest(TruncatingRequest):
     pooled: StrictBool = Field(True, description="Return the pooled vector.")
     token_embeddings: StrictBool = Field(False, description="Return per-token vectors.")
@@ -514,6 +588,13 @@ class EncodeRequest(TruncatingRequest):
     dimensions: Dimensions | None = Field(None, description="Keep the first N pooled dimensions.")
     encoding: Literal["float", "base64"] = Field(
         "float", description="Arrays as JSON floats, or base64 little-endian float32 with a shape."
+    )
+    chunking: Chunking | None = Field(
+        None,
+        description=(
+            f"{CHUNKING_DESCRIPTION} Each input's `chunks` then replace its `embedding`; "
+            "texts only, and neither per-token vectors nor attention maps."
+        ),
     )
     quantize: Precision | None = Field(
         None,
@@ -561,10 +642,18 @@ class AttentionMap(BaseModel):
     values: Array = Field(description="(heads, T, T), or (T, T) for a mean over heads.")
 
 
+class EncodedChunk(BaseModel):
+    start: int
+    end: int
+    tokens: int
+    embedding: Array | list[int]
+
+
 class EncodedInput(BaseModel):
     index: int
     truncated: bool
     embedding: Array | None = None
+    chunks: list[EncodedChunk] | None = None
     token_embeddings: Array | None = None
     tokens: list[TokenInfo] | None = None
     attention: list[AttentionMap] | None = None
@@ -585,6 +674,8 @@ class Limits(BaseModel):
     max_request_tokens: int
     max_token_values: int
     max_attention_values: int
+    max_chunks_per_input: int
+    max_chunks_per_request: int
     payload_limit: int
     request_timeout: float
     max_queue_wait: float

@@ -14,7 +14,9 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -24,6 +26,9 @@ from app.main import create_app
 from app.metrics import Metrics
 from app.service import EmbeddingService
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.grpc.server import GrpcServer
 
 log = logging.getLogger("app")
 
@@ -42,10 +47,12 @@ class DrainingServer(uvicorn.Server):
         delay: float,
         grace: float,
         balance: ConnectionBalance | None = None,
+        grpc: GrpcServer | None = None,
     ) -> None:
         super().__init__(config)
         self.service = service
         self.balance = balance
+        self.grpc = grpc  # tei.v1 on its own port, drained with the HTTP server
         self.delay = delay
         self.grace = grace
         self.exit_code = 0
@@ -56,6 +63,17 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)  # type: ignore[arg-type]
+        if self.grpc is not None and not self.should_exit:
+            try:
+                await self.grpc.start()
+            except OSError as exc:
+                log.error("%s", exc)
+                self.fail()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.grpc is not None:
+            await self.grpc.stop()
+        await super().shutdown(sockets)
 
     async def on_tick(self, counter: int) -> bool:
         # uvicorn ticks every 0.1 s; the connections are counted every other tick.
@@ -85,12 +103,16 @@ class DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self) -> None:
         await asyncio.sleep(self.delay)
         self.service.begin_drain()
+        # gRPC takes no new calls from now on; its calls in flight get the same grace.
+        grpc = asyncio.ensure_future(self.grpc.drain(self.grace)) if self.grpc else None
         if not await self.service.wait_idle(self.grace):
             log.warning(
                 "grace period of %s s over with %d requests in flight",
                 self.grace,
                 self.service.inflight,
             )
+        if grpc is not None:
+            await grpc
         self.should_exit = True
 
     def fail(self) -> None:
@@ -101,13 +123,14 @@ class DrainingServer(uvicorn.Server):
 
 def serve(
     settings: Settings,
-    engine: Engine | None = None,
+    engine: Engine | Mapping[str, Engine] | None = None,
     sock: socket.socket | None = None,
     balance: ConnectionBalance | None = None,
     metrics: Metrics | None = None,
 ) -> int:
     """Serve until stopped, on `sock` if given (a front end, with its `balance`) or on
-    settings' host and port; return the exit code. `engine`: by default in this process."""
+    settings' host and port; return the exit code. `engine`: each model's, by name; by
+    default in this process."""
     server: DrainingServer | None = None
 
     def on_fatal(reason: str) -> None:
@@ -116,6 +139,17 @@ def serve(
             server.fail()
 
     app = create_app(settings, engine, on_fatal=on_fatal, balance=balance, metrics=metrics)
+    grpc = None
+    if settings.grpc_port is not None:
+        try:  # only a server with gRPC imports grpcio
+            from app.grpc.server import GrpcServer
+        except ImportError as exc:  # the generated code is missing: the error says what to run
+            log.error("%s", exc)
+            return 1
+        # A front end shares the port with the others (SO_REUSEPORT), as it shares HTTP's.
+        grpc = GrpcServer(
+            settings, lambda: app.state.service, app.state.metrics, shared_port=sock is not None
+        )
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -128,7 +162,7 @@ def serve(
         limit_concurrency=settings.max_connections + 1,
     )
     server = DrainingServer(
-        config, app.state.service, settings.drain_delay, settings.shutdown_grace, balance
+        config, app.state.service, settings.drain_delay, settings.shutdown_grace, balance, grpc
     )
     server.run(sockets=[sock] if sock is not None else None)
     return server.exit_code

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from starlette.types import Receive
 
+from app.chunking import Chunk, late_inputs, plan_texts
 from app.engine.protocol import Engine, ItemResult, Pending, Wants
 from app.errors import (
     ClientDisconnectedError,
@@ -27,8 +28,8 @@ from app.errors import (
     ValidationFailedError,
 )
 from app.limits import Limits
-from app.metrics import Metrics
-from app.params import EncodeOptions, RawInput
+from app.metrics import ModelMetrics
+from app.params import ChunkOptions, EncodeOptions, RawInput
 from app.settings import Settings
 from app.tokenization import Input, Tokenization, characters
 from model.codec import TextCodec
@@ -86,16 +87,39 @@ class EncodeResult:
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkedResult:
+    model: ModelInfo
+    documents: list[Encoded]  # each text's every token
+    chunks: list[list[Chunk]]
+    vectors: list[FloatArray]  # per text, (chunks, D), finished
+    timings: Timings
+    token_count: int  # the tokens the encoder ran
+    char_count: int
+
+
+@dataclass(frozen=True, slots=True)
 class Tokenized:
     # The texts as the tokenizer saw them (with the prompt), for slicing by offsets.
     texts: list[RawInput]
     encoded: list[Encoded]
 
 
+def per_text(counts: Sequence[int], items: Sequence[ItemResult], width: int) -> list[FloatArray]:
+    """Each text's chunk vectors, (chunks, width), from the results of a chunked request:
+    one vector per chunk (independent), or one (chunks, width) array per text that has
+    chunks (late)."""
+    if not items or items[0].vector.ndim == 2:
+        late = iter(items)
+        empty = np.zeros((0, width), dtype=np.float32)
+        return [next(late).vector if count else empty for count in counts]
+    rows = np.stack([item.vector for item in items])
+    return np.split(rows, np.cumsum(counts)[:-1])
+
+
 class EmbeddingService:
     """Owns the engine client and the tokenizer; routes call it and never touch the model."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, engine: Engine) -> None:
+    def __init__(self, settings: Settings, metrics: ModelMetrics, engine: Engine) -> None:
         self.settings = settings
         self.metrics = metrics
         self.engine = engine
@@ -256,6 +280,70 @@ class EmbeddingService:
         timings = Timings(started, tokenization, queued, inference)
         chars = sum(characters(item) for item in inputs if not isinstance(item, list))
         return EncodeResult(info, encoded, results, timings, attention, chars)
+
+    async def chunk(
+        self,
+        inputs: Sequence[RawInput],
+        options: EncodeOptions,
+        chunking: ChunkOptions,
+        disconnected: DisconnectWatch | None = None,
+    ) -> ChunkedResult:
+        """Each text cut into chunks, and one finished vector per chunk (app/chunking.py):
+        each chunk's text embedded alone, or the whole text's token vectors pooled."""
+        started = time.perf_counter()
+        deadline = started + self.settings.request_timeout
+        codec = self._enter()
+        try:
+            info = codec.info
+            self.limits.check_inputs(inputs)
+            texts = [item for item in inputs if isinstance(item, str)]
+            if len(texts) < len(inputs):
+                raise ValidationFailedError(
+                    "chunking takes texts, not token ids: chunks are located by characters",
+                    param="input",
+                )
+            self.limits.check_dimensions(options.dimensions, info)
+            self.engine.check_room(deadline - time.perf_counter())
+            try:
+                documents, tokenization = await self.tokenization.whole(
+                    codec, texts, options.prompt_name, deadline
+                )
+            except TimeoutError as exc:
+                raise self._deadline_error() from exc
+            prompt_chars = len(codec.prompt(options.prompt_name))
+            chunks = plan_texts(documents, texts, prompt_chars, chunking, info.max_input_tokens)
+            self.limits.check_chunks([len(own) for own in chunks])
+            wants = Wants(True, options.normalize, options.dimensions)
+            encoded: list[Encoded] = []
+            if chunking.mode == "independent":
+                pieces = [
+                    text[c.start : c.end]
+                    for text, own in zip(texts, chunks, strict=True)
+                    for c in own
+                ]
+                if pieces:
+                    encoded, seconds = await self.tokenization.run(
+                        codec, pieces, replace(options, truncate=True), deadline=deadline
+                    )
+                    tokenization += seconds
+            else:
+                encoded, late = late_inputs(documents, chunks, info.max_input_tokens)
+                wants = replace(wants, late=late)
+            tokens = self.limits.check_tokens(encoded, options, None, info)
+            items: list[ItemResult] = []
+            queued = inference = 0.0
+            if encoded:
+                items, queued, inference = await self._run(encoded, wants, deadline, disconnected)
+        finally:
+            self._leave()
+        self.metrics.inputs.inc(len(encoded))
+        self.metrics.tokens.inc(tokens)
+        vectors = per_text(
+            [len(own) for own in chunks], items, options.dimensions or info.dimensions
+        )
+        timings = Timings(started, tokenization, queued, inference)
+        chars = sum(map(len, texts))
+        return ChunkedResult(info, documents, chunks, vectors, timings, tokens, chars)
 
     async def similarity(
         self,

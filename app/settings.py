@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -13,6 +14,24 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from model import DEFAULT_MODEL_ID
 from model.cpus import available_cpus
 from model.info import Task
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One served model: the name requests choose it by, and where it comes from."""
+
+    name: str
+    model_id: str  # a folder or an installed package's id
+
+    @classmethod
+    def parse(cls, spec: str) -> ServedModel:
+        """`name=folder`, or an id alone (named by itself)."""
+        name, sign, model_id = spec.partition("=")
+        if not sign:
+            return cls(spec, spec)
+        if not name or not model_id:
+            raise ValueError(f"{spec!r}: a named model is name=folder")
+        return cls(name, model_id)
 
 
 class Settings(BaseSettings):
@@ -26,9 +45,21 @@ class Settings(BaseSettings):
         extra="forbid",
     )
 
-    model_id: str = Field(
-        DEFAULT_MODEL_ID,
-        description="A local checkpoint folder, or the id of an installed model package.",
+    model_id: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: [DEFAULT_MODEL_ID],
+        description=(
+            "A local checkpoint folder, or the id of an installed model package; given more "
+            "than once, one server serves them all, each under its name: `name=folder`, or "
+            "the id as given. The first is the default model of the routes that name none."
+        ),
+    )
+    memory_budget_mb: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Refuse to start when the models' weights, at the dtype they will run in, need "
+            "more than this many MiB; unset: no check."
+        ),
     )
     task: Literal["auto"] | Task = Field(
         "auto",
@@ -61,11 +92,20 @@ class Settings(BaseSettings):
             "auto: float16 on CUDA; on the CPU bfloat16 where the CPU computes it natively "
             "(AMX or AVX-512 BF16), else float32. int8 (CPU only, never chosen by auto): the "
             "encoder's linear layers in int8, activations quantized per call; faster, a little "
-            "less accurate (the README's Benchmarks)."
+            "less accurate (docs/benchmarks.md)."
         ),
     )
     host: str = Field("0.0.0.0", description="Address to listen on.")
     port: int = Field(8080, ge=1, le=65535, description="Port to listen on.")
+    grpc_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description=(
+            "Also serve text-embeddings-inference's gRPC API (tei.v1, with server reflection) "
+            "on this port, on the same address; unset: no gRPC."
+        ),
+    )
     placement: Literal["auto", "in-process", "split"] = Field(
         "auto",
         description=(
@@ -116,6 +156,12 @@ class Settings(BaseSettings):
         ge=1,
         description="Tokens one request may hold after truncation (more: 413); OpenAI's limit.",
     )
+    max_chunks_per_input: int = Field(
+        512, ge=1, description="Chunks one text may be cut into (more: 413)."
+    )
+    max_chunks_per_request: int = Field(
+        2048, ge=1, description="Chunks one request may hold, over all its texts (more: 413)."
+    )
     max_input_tokens: int | None = Field(
         None, ge=1, description="Tokens per input; default and ceiling: the model's own limit."
     )
@@ -130,7 +176,7 @@ class Settings(BaseSettings):
         True,
         description=(
             "On a CPU, lay the encoder's linear weights out once for oneDNN at start-up "
-            "(one sentence 1.4-1.9x as fast), each worker its own copy; off: torch's own "
+            "(small batches faster; docs/benchmarks.md), each engine its own copy; off: torch's "
             "matmul on the checkpoint layout, and engines on one CPU share every weight."
         ),
     )
@@ -204,10 +250,18 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
     access_log: bool = Field(False, description="Log every request (costs throughput).")
 
+    def models(self) -> list[ServedModel]:
+        """The served models, in order, each with its name."""
+        return [ServedModel.parse(spec) for spec in self.model_id]
+
+    def engine_count(self) -> int:
+        """Engines in all: one per device for each model."""
+        return len(self.devices) * len(self.model_id)
+
     def engine_threads(self) -> int:
         """Torch threads per engine: `threads`, or the CPUs this process may use over the
         engines (at least one)."""
-        return self.threads or max(1, available_cpus() // len(self.devices))
+        return self.threads or max(1, available_cpus() // self.engine_count())
 
     def on_gpu(self) -> bool:
         return any(device.startswith("cuda") for device in self.devices)
@@ -220,7 +274,7 @@ class Settings(BaseSettings):
 
     def frontend_count(self) -> int:
         """On a GPU, half the CPUs (at most 8): the device outruns one event loop many times
-        over. On a CPU, one per engine (README: Benchmarks)."""
+        over. On a CPU, one per engine (docs/benchmarks.md)."""
         if self.frontends is not None:
             return self.frontends
         return min(8, max(1, available_cpus() // 2)) if self.on_gpu() else len(self.devices)
@@ -228,7 +282,7 @@ class Settings(BaseSettings):
     def placed_on(self, found: list[str]) -> Settings:
         """These settings with `devices` as found on this machine. `auto` that finds the CPU
         runs two engines on it, each on its share of the cores, where the process may use two
-        or more CPUs (measured best at every load on two cores, README: Benchmarks); one where
+        or more CPUs (measured best at every load on two cores, docs/benchmarks.md); one where
         `threads` leaves no room for two, or one process is asked for."""
         devices = found
         if self.devices == ["auto"] and found == ["cpu"]:
@@ -241,9 +295,9 @@ class Settings(BaseSettings):
     def cpu_oversubscription(self) -> str | None:
         """Why the torch threads asked for would fight over the CPUs, if they would. Each
         pass's threads meet at a barrier after every parallel region, so one descheduled
-        thread holds up the rest (README: Benchmarks)."""
+        thread holds up the rest (docs/architecture.md)."""
         cpus, threads = available_cpus(), self.engine_threads()
-        engines = len(self.devices)
+        engines = self.engine_count()
         if threads * engines <= cpus:
             return None
         return (
@@ -260,6 +314,27 @@ class Settings(BaseSettings):
                 "and no more front ends, or choose placement split"
             )
         return self
+
+    @field_validator("model_id", mode="before")
+    @classmethod
+    def _list_models(cls, value: object) -> object:
+        # A string: the flag given once or more (which the CLI joins with commas), or
+        # EMBED_MODEL_ID as ids with commas or as a JSON list.
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                return json.loads(value)
+            return [spec.strip() for spec in value.split(",") if spec.strip()]
+        return value
+
+    @field_validator("model_id")
+    @classmethod
+    def _check_models(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("name at least one model")
+        names = [ServedModel.parse(spec).name for spec in value]
+        if len(set(names)) < len(names):
+            raise ValueError(f"two models have one name: {names}; name them with name=folder")
+        return value
 
     @field_validator("devices", mode="before")
     @classmethod

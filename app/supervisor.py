@@ -44,7 +44,7 @@ from app.engine.state import EngineBoard
 from app.logs import configure_logging
 from app.memory import limit_arenas
 from app.metrics import MULTIPROCESS_DIR_VARIABLE
-from app.settings import Settings
+from app.settings import ServedModel, Settings
 from model.codec import ModelCard
 from model.errors import ConfigError
 
@@ -87,15 +87,32 @@ def reserve(settings: Settings) -> socket.socket:
 
 @dataclass(frozen=True)
 class Shared:
-    """What the supervisor makes for its children: the sockets' folder, the board, the CPU's
-    cores and the weights' file for engines on one CPU, the front ends' connection counts."""
+    """What the supervisor makes for its children: a folder per served model (its engines'
+    sockets, their board and, for engines on one CPU, the weights' file), the CPU's cores
+    shared by every engine on it, the front ends' connection counts."""
 
     run_dir: Path
-    board_path: Path
-    engines: int
+    engines: int  # per model, one per device
     cores: CorePool | None
-    weights_dir: Path | None
+    share_weights: bool
     counts: Counts
+
+    def model_dir(self, model: int) -> Path:
+        return self.run_dir / f"model-{model}"
+
+    def board_path(self, model: int) -> Path:
+        return self.model_dir(model) / "board"
+
+    def weights_dir(self, model: int) -> Path | None:
+        return self.model_dir(model) / "weights" if self.share_weights else None
+
+    def prepare(self, models: int) -> None:
+        """The folders and boards, before any child starts."""
+        for model in range(models):
+            self.model_dir(model).mkdir()
+            if (weights := self.weights_dir(model)) is not None:
+                weights.mkdir()
+            EngineBoard.create(self.board_path(model), self.engines)
 
 
 def supervise(settings: Settings) -> int:
@@ -112,18 +129,17 @@ def supervise(settings: Settings) -> int:
     os.environ[MULTIPROCESS_DIR_VARIABLE] = str(metrics_dir)
     context = multiprocessing.get_context("spawn")
     devices = settings.devices
-    cpu_engines = sum(1 for device in devices if not device.startswith("cuda"))
+    models = len(settings.model_id)
+    cpu_engines = sum(1 for device in devices if not device.startswith("cuda")) * models
+    engines = settings.engine_count()
     shared = Shared(
         run_dir,
-        run_dir / "board",
         len(devices),
-        CorePool(context, len(devices), settings.engine_threads()) if cpu_engines > 1 else None,
-        run_dir / "weights" if cpu_engines > 1 else None,
+        CorePool(context, engines, settings.engine_threads()) if cpu_engines > 1 else None,
+        sum(1 for device in devices if not device.startswith("cuda")) > 1,
         context.RawArray(ctypes.c_int, settings.frontend_count()),
     )
-    if shared.weights_dir is not None:
-        shared.weights_dir.mkdir()
-    EngineBoard.create(shared.board_path, len(devices))
+    shared.prepare(models)
     try:
         return Supervisor(settings, context, shared).run()
     finally:
@@ -149,11 +165,11 @@ class Supervisor:
             sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)
         }
         try:
-            card = self._start_engines()
-            if card is None or self.stopping.is_set():
+            cards = self._start_engines()
+            if cards is None or self.stopping.is_set():
                 self._stop(self.engines)
                 return self.code
-            self._start_frontends(card)
+            self._start_frontends(cards)
             self._wait()
             return self.code
         finally:
@@ -168,23 +184,26 @@ class Supervisor:
             if process.pid is not None and process.exitcode is None:
                 os.kill(process.pid, sig if self.frontends else signal.SIGTERM)
 
-    def _start_engines(self) -> ModelCard | None:
-        """Every engine loaded and warmed up: the model's card (the same from each), or
-        None when one failed (logged, exit code set)."""
+    def _start_engines(self) -> list[ModelCard] | None:
+        """Every model's engines loaded and warmed up: each model's card (the same from
+        each of its engines), or None when one failed (logged with its model's name, exit
+        code set)."""
         links: list[Connection] = []
-        for index, device in enumerate(self.settings.devices):
-            receiving, sending = self.context.Pipe(duplex=False)
-            process = self.context.Process(
-                target=run_engine,
-                args=(self.settings, index, device, self.shared, sending),
-                name=f"engine-{index}",
-            )
-            process.start()
-            sending.close()
-            self.engines.append(process)
-            links.append(receiving)
-        card: ModelCard | None = None
-        for index, (process, link) in enumerate(zip(self.engines, links, strict=True)):
+        served = self.settings.models()
+        for model, each in enumerate(served):
+            for index, device in enumerate(self.settings.devices):
+                receiving, sending = self.context.Pipe(duplex=False)
+                process = self.context.Process(
+                    target=run_engine,
+                    args=(self.settings, each, model, index, device, self.shared, sending),
+                    name=f"engine-{index}" if len(served) == 1 else f"engine-{model}-{index}",
+                )
+                process.start()
+                sending.close()
+                self.engines.append(process)
+                links.append(receiving)
+        cards: list[ModelCard] = []
+        for number, (process, link) in enumerate(zip(self.engines, links, strict=True)):
             wait_for_any([link, process.sentinel])
             try:
                 kind, value = link.recv()
@@ -192,18 +211,23 @@ class Supervisor:
                 kind, value = "error", f"the engine process exited with {process.exitcode}"
             if self.stopping.is_set():  # stopped while it loaded, as asked
                 return None
+            name = served[number // self.shared.engines].name
             if kind == "error":
-                log.error("engine %d (%s) failed to start: %s", index, process.name, value)
+                index = number % self.shared.engines
+                log.error(
+                    "model %s: engine %d (%s) failed to start: %s", name, index, process.name, value
+                )
                 self.code = 1
                 return None
-            card = value
-        return card
+            if number % self.shared.engines == 0:
+                cards.append(value)
+        return cards
 
-    def _start_frontends(self, card: ModelCard) -> None:
+    def _start_frontends(self, cards: list[ModelCard]) -> None:
         for index in range(self.settings.frontend_count()):
             process = self.context.Process(
                 target=run_frontend,
-                args=(self.settings, card, index, self.shared),
+                args=(self.settings, cards, index, self.shared),
                 name=f"frontend-{index}",
             )
             process.start()
@@ -212,8 +236,9 @@ class Supervisor:
             if self.stopping.is_set():
                 os.kill(process.pid or 0, signal.SIGTERM)
         log.info(
-            "%d engine(s) on %s, %d front end(s) on %s:%d",
+            "%d engine(s) for %d model(s) on %s, %d front end(s) on %s:%d",
             len(self.engines),
+            len(cards),
             ",".join(self.settings.devices),
             len(self.frontends),
             self.settings.host,
@@ -297,28 +322,46 @@ def _child(settings: Settings, name: str) -> None:
 
 
 def run_engine(
-    settings: Settings, index: int, device: str, shared: Shared, ready: Connection
+    settings: Settings,
+    served: ServedModel,
+    model: int,
+    index: int,
+    device: str,
+    shared: Shared,
+    ready: Connection,
 ) -> None:
+    """Model `model`'s engine on its `index`th device."""
     _child(settings, "embed-engine")
     # Imported here only: the supervisor and the front ends never import torch.
     from app.engine.process import EngineProcess
     from model.shared_weights import WeightStore
 
-    cores = CoreLease(shared.cores, index) if shared.cores is not None else None
-    weights = WeightStore(shared.weights_dir) if shared.weights_dir is not None else None
-    board = EngineBoard(shared.board_path, shared.engines)
-    engine = EngineProcess(settings, index, device, shared.run_dir, board, cores, weights)
+    lease = model * shared.engines + index  # the CPU's cores are every engine's
+    cores = CoreLease(shared.cores, lease) if shared.cores is not None else None
+    folder = shared.weights_dir(model)
+    weights = WeightStore(folder) if folder is not None else None
+    board = EngineBoard(shared.board_path(model), shared.engines)
+    engine = EngineProcess(
+        settings, served, index, device, shared.model_dir(model), board, cores, weights
+    )
     raise SystemExit(engine.run(ready))
 
 
-def run_frontend(settings: Settings, card: ModelCard, index: int, shared: Shared) -> None:
+def run_frontend(settings: Settings, cards: list[ModelCard], index: int, shared: Shared) -> None:
     _child(settings, "embed-frontend")
     from app.engine.protocol import Admission
     from app.engine.remote import RemoteEngine
     from app.server import serve
 
-    board = EngineBoard(shared.board_path, shared.engines)
     admission = Admission(settings.request_timeout, settings.max_queue_wait)
-    engine = RemoteEngine(card, shared.run_dir, board, admission)
+    engines = {
+        served.name: RemoteEngine(
+            card,
+            shared.model_dir(model),
+            EngineBoard(shared.board_path(model), shared.engines),
+            admission,
+        )
+        for model, (served, card) in enumerate(zip(settings.models(), cards, strict=True))
+    }
     balance = ConnectionBalance(shared.counts, index)
-    raise SystemExit(serve(settings, engine, bind(settings, listen=True), balance))
+    raise SystemExit(serve(settings, engines, bind(settings, listen=True), balance))

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from app.errors import ValidationFailedError
-from app.metrics import Metrics
+from app.metrics import ModelMetrics
 from app.params import EncodeOptions, RawInput, TextPair
 from model.codec import TextCodec
 from model.errors import InputError, PromptError, TokenIdError
@@ -48,7 +48,7 @@ def in_request_order(positions: list[int], encode: Callable[[], list[Encoded]]) 
 
 
 class Tokenization:
-    def __init__(self, metrics: Metrics, auto_truncate: bool) -> None:
+    def __init__(self, metrics: ModelMetrics, auto_truncate: bool) -> None:
         self.metrics = metrics
         self.auto_truncate = auto_truncate
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
@@ -99,9 +99,24 @@ class Tokenization:
             encoded.update(zip(pairs, done, strict=True))
             return [encoded[i] for i in range(len(inputs))]
 
+        return await self._timed(encode, sum(characters(item) for item in inputs), deadline)
+
+    async def whole(
+        self, codec: TextCodec, texts: Sequence[str], prompt_name: str | None, deadline: float
+    ) -> tuple[list[Encoded], float]:
+        """Each text's every token, never truncated: documents to be cut into chunks."""
+
+        def encode() -> list[Encoded]:
+            return [codec.tokenize_whole(text, prompt_name) for text in texts]
+
+        return await self._timed(encode, sum(map(len, texts)), deadline)
+
+    async def _timed(
+        self, encode: Callable[[], list[Encoded]], chars: int, deadline: float | None
+    ) -> tuple[list[Encoded], float]:
         started = time.perf_counter()
         try:
-            if sum(characters(item) for item in inputs) < INLINE_CHARS:
+            if chars < INLINE_CHARS:
                 encoded = encode()
             else:
                 pooled = asyncio.get_running_loop().run_in_executor(self._pool, encode)

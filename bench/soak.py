@@ -249,7 +249,9 @@ class Server:
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
-                values[name] = float(value)
+                # Summed over labels: the queue of every served model.
+                family = name.partition("{")[0]
+                values[family] = values.get(family, 0.0) + float(value)
         return values
 
     def info(self) -> dict[str, Any]:

@@ -68,6 +68,10 @@ class TextCodec:
             prompt=self.prompt(prompt_name),
         )
 
+    def tokenize_whole(self, text: str, prompt_name: str | None = None) -> Encoded:
+        """A document's every token, for chunking (app/chunking.py)."""
+        return self.tokenizer.encode_whole(text, self.prompt(prompt_name))
+
     def tokenize_pairs(
         self,
         pairs: Sequence[tuple[str, str]],

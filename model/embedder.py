@@ -24,7 +24,7 @@ from model.prepacked import can_prepack, prepack_linears
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
 from model.shared_weights import WeightStore
 from model.tokenizer import Encoded, TextTokenizer, TokenizerInput
-from model.vectors import finish
+from model.vectors import FloatArray, finish
 
 __all__ = ["AttentionSpec", "BatchOutput", "Embedder", "ModelInfo", "ModelInput"]
 
@@ -202,6 +202,24 @@ class Embedder:
         hidden = self.network(input_ids, attention_mask).hidden
         vectors: Tensor = self.head(hidden, attention_mask, prompt_lengths)
         return vectors
+
+    def pool_spans(self, states: FloatArray, spans: Sequence[tuple[int, int]]) -> FloatArray:
+        """Late chunking's pooling: each span of one text's token vectors (T, hidden), pooled
+        as the model pools a whole input and run through its Dense modules."""
+        if not isinstance(self.head, EmbeddingPipeline):
+            raise ValueError("only an embedding model pools chunks")
+        width = max(stop - start for start, stop in spans)
+        grid = torch.zeros(len(spans), width, states.shape[1])
+        mask = torch.zeros(len(spans), width, dtype=torch.int64)
+        tokens = torch.from_numpy(states)
+        for row, (start, stop) in enumerate(spans):
+            grid[row, : stop - start] = tokens[start:stop]
+            mask[row, : stop - start] = 1
+        with torch.inference_mode():
+            prompts = torch.zeros(len(spans), dtype=torch.int64, device=self.device)
+            pooled = self.head(grid.to(self.device), mask.to(self.device), prompts)
+        result: FloatArray = pooled.float().cpu().numpy()
+        return result
 
     def capture_graphs(self) -> int:
         """Capture the CUDA graphs now, not on requests' time; how many (0 without them)."""

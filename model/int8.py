@@ -4,7 +4,7 @@ Dynamic quantization: each weight is quantized once at load, per output channel 
 one scale per row), and each call quantizes its activations per tensor from their own range,
 in torch's fbgemm kernels (x86). Everything else (embeddings, attention, LayerNorm, the
 activation functions, pooling and any head) stays in float32. Never chosen by `auto`: it
-trades a little accuracy for speed, and the README's Benchmarks say how much of each.
+trades a little accuracy for speed, and docs/benchmarks.md says how much of each.
 
 On CPUs without VNNI instructions the activations use 7 bits of range (`reduce_range`), as
 torch advises there: fbgemm's 8-bit products would otherwise saturate.

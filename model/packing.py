@@ -6,9 +6,8 @@ only attention sees the padded (B, T) grid. When a batch is mostly padding-free,
 and scattering would cost more than it saves, and everything runs on the grid.
 
 On a GPU the layers always run on the grid: padded rows cost the GPU little, while packing
-adds kernel launches and reads the mask back to the CPU, which waits for the GPU to get there
-(on an H100 in float16, batches of 32: short sentences 4.48 against 2.59 ms per forward pass,
-long passages 39.1 against 4.8 ms per `Embedder.forward` call, packing on against off).
+adds kernel launches and reads the mask back to the CPU, which waits for the GPU to get there,
+so a packed pass is slower there at every batch measured (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ from torch import Tensor
 from model.attention import key_padding_mask
 
 # Below this share of padding, gathering and scattering the real tokens costs as much as the
-# padded rows save (bench/layers.py, all-MiniLM-L6-v2 on CPU: 0.97x at 4% padding, 0.99x at
-# 9%, 1.08x at 17%, 1.73x at 55%).
+# padded rows save (`python -m bench.layers`; docs/benchmarks.md).
 PACKING_MIN_PADDING = 0.1
 
 
@@ -71,7 +69,7 @@ class TokenLayout:
 
 
 # Tokens whose feed-forward runs at once on the CPU: the 4x-wide intermediate then stays in
-# cache instead of going out to memory and back (1.11-1.20x on long batches, bench/layers.py).
+# cache instead of going out to memory and back (`python -m bench.layers`; docs/benchmarks.md).
 FEED_FORWARD_CHUNK = 1024
 
 

@@ -2,11 +2,10 @@
 
 torch's `F.linear` takes weights in their checkpoint layout, so each call pays for fitting
 them to the kernel: in bfloat16 oneDNN's own kernel, in float32 MKL's GEMM, slow on a few
-rows. Laid out once at load, the same products run without that cost. All-MiniLM-L6-v2 on
-2 cores (AMD EPYC, AVX-512 BF16), short sentences, `python -m bench.layers`: float32 1.86x as
-fast on one sentence, 1.40x on 8, 1.19x on 32; bfloat16 1.42x, 1.13x and 1.14x. bfloat16
-gives the same bits (oneDNN's kernel either way); float32 differs by rounding (max abs
-difference 2e-7 on the vectors; the parity tests hold).
+rows. Laid out once at load, the same products run without that cost, which matters most
+for small batches (`python -m bench.layers` compares; docs/benchmarks.md). bfloat16 gives the
+same bits (oneDNN's kernel either way); float32 differs by rounding (the parity tests hold,
+`tests/model/test_prepacked.py`).
 
 A prepacked layer also takes the step after it into the same call where an encoder asks
 (`linear_activated`, `linear_plus`): the activation, or the residual's addition, as oneDNN
@@ -28,9 +27,8 @@ from torch import Tensor, nn
 from model.activations import Activation, activate
 
 # The rows oneDNN lays the weights out for: a few sentences' tokens; any row count runs on
-# it. Three interleaved rounds, 2 cores, one 16-token sentence in float32: 4.15-4.42 ms on
-# this layout, 5.72-6.06 on one for 1 row, 4.23-4.48 for 1,024; random batches of 2 to 32
-# ran within noise of the 1,024-row layout in both dtypes.
+# it. A layout for one row made a single sentence slower, and one for many rows gained
+# nothing on batches, so the layout suits the requests a server sees most.
 EXPECTED_ROWS = 64
 FROZEN = "a prepacked linear layer cannot be {}: build the model with prepack=False"
 # This code's activation names (model/activations.py) as oneDNN post-ops.

@@ -4,11 +4,11 @@ workers, in a shared file.
 Each worker loads the model as usual; then the first to get here writes its parameters and
 buffers to the store's file, and every worker, that one included, points its modules at a
 read-only shared mapping of it, after checking that the mapped values equal its own. Their
-private copies are freed, so N workers hold these weights once, in the page cache (two workers
-of all-MiniLM-L6-v2 and their supervisor: 1,045 against 1,194 MiB PSS in bfloat16). What the
-file holds is what stays in ordinary tensors: the linear layers' weights are prepacked for
-oneDNN (model/prepacked.py) into opaque tensors of each process's own, so the file holds the
-embedding tables, norms, biases and the heads' weights (all of them with `--no-prepack`).
+private copies are freed, so N workers hold these weights once, in the page cache (the memory
+per process is in docs/benchmarks.md). What the file holds is what stays in ordinary tensors:
+the linear layers' weights are prepacked for oneDNN (model/prepacked.py) into opaque tensors
+of each process's own, so the file holds the embedding tables, norms, biases and the heads'
+weights (all of them with `--no-prepack`).
 
 A read-only mapping: a worker that wrote to a weight would crash on it, instead of changing
 the vectors of every other worker. Weights that differ from the store's (which two workers

@@ -219,6 +219,14 @@ class TextTokenizer:
             )
         return results
 
+    def encode_whole(self, text: str, prompt: str = "") -> Encoded:
+        """One text (with `prompt` in front) with every token, however many: a document to be
+        cut into chunks, never truncated. The caller bounds its length (characters)."""
+        check_unicode(0, text)
+        [encoding] = _encode(self._untruncated, [prompt + text], True)
+        prompt_length = self.prompt_length(prompt) if prompt else 0
+        return self._from_encoding(0, encoding, True, prompt_length=prompt_length)
+
     def _whole_length(self, text: str) -> int:
         [encoding] = _encode(self._pair_texts, [text], False)
         return len(encoding.ids)

@@ -25,3 +25,61 @@ def tiny_embedder(tiny_checkpoint: Path) -> Embedder:
 def minilm() -> Embedder:
     """The real all-MiniLM-L6-v2 from the installed package (CI installs it)."""
     return Embedder.load(device="cpu", dtype="float32")
+
+
+# The two tiers. `make check` runs `pytest -m "not slow"`: the tests that start no real
+# process, drive no browser or load balancer, and take well under a second each. `make test`
+# runs everything. Modules that start a real server, a browser or HAProxy mark themselves
+# `slow`; the tests below are marked here, by what `pytest --durations` showed: each over
+# about a second, or starting processes of its own. So is every test run against the split
+# placement, which starts an engine process.
+FULL_TIER_PATHS = (
+    "tests/browser/",
+    "tests/app/test_remote_engine.py",  # an engine process per test
+)
+FULL_TIER_TESTS: dict[str, set[str]] = {
+    "tests/app/test_cores.py": {"test_a_worker_killed_mid_pass_blocks_nobody"},
+    # Real timeouts waited out.
+    "tests/app/test_limits.py": {"test_request_timeout", "test_body_timeout"},
+    # Servers started as processes, to see them fail.
+    "tests/app/test_models.py": {"test_a_model_that_cannot_load_fails_the_start_with_its_name"},
+    "tests/app/test_faults.py": {"test_start_up_objects_are_frozen_out_of_the_cyclic_collector"},
+    # schemathesis over every operation, per model.
+    "tests/app/test_contract.py": {"test_the_service_keeps_its_published_contract"},
+    # The real model against sentence-transformers or transformers, or in another dtype.
+    "tests/model/test_parity_sentence_transformers.py": {
+        "test_all_minilm_matches_sentence_transformers"
+    },
+    "tests/model/test_bfloat16.py": {"test_bfloat16_keeps_every_cosine_above_0_999"},
+    "tests/model/test_int8.py": {"test_minilm_in_int8_stays_close_to_float32"},
+    "tests/model/test_folders.py": {
+        "test_folder_saved_by_sentence_transformers",
+        "test_folder_in_the_older_format",
+        "test_transformer_weights_in_every_format_give_the_same_vectors",
+        "test_info_reports_what_the_folder_holds",
+        "test_do_lower_case_saved_by_sentence_transformers",
+        "test_do_lower_case_in_the_older_format",
+        "test_do_lower_case_adds_no_lowercase_to_a_tokenizer_that_has_one",
+        "test_truncate_dim_is_the_default_and_a_request_can_ask_for_fewer",
+        "test_truncate_dim_with_a_trailing_normalize_gives_unit_vectors",
+    },
+    "tests/model/test_pairs.py": {
+        "test_pairs_are_tokenized_as_whole_texts_truncated_longest_first"
+    },
+    "tests/model/test_parity_cross_sparse.py": {
+        "test_sparse_encoder_pooling_settings",
+        "test_cross_encoder_whose_tokenizer_gives_no_segment_ids",
+    },
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the full tier's tests `slow` (see above)."""
+    root = config.rootpath
+    for item in items:
+        module = item.path.relative_to(root).as_posix()
+        name = getattr(item, "originalname", item.name)
+        callspec = getattr(item, "callspec", None)
+        split = callspec is not None and callspec.params.get("placement") == "split"
+        if split or module.startswith(FULL_TIER_PATHS) or name in FULL_TIER_TESTS.get(module, ()):
+            item.add_marker(pytest.mark.slow)

@@ -20,14 +20,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from app.cores import CoreLease
 from app.engine.compute import ComputeThread
-from app.engine.protocol import Admission, ItemResult, Outcome, Wants
+from app.engine.protocol import Admission, ItemResult, LateDocument, Outcome, Wants
 from app.errors import BackendError, OverloadedError, ServiceError
 from app.memory import Trimmer
-from app.metrics import Metrics
+from app.metrics import ModelMetrics
 from app.tasks import TASKS
 from model import AttentionSpec, BatchOutput, Embedder, Encoded
 
@@ -91,6 +92,9 @@ class Ticket:
         return self.abandoned or now > self.deadline
 
 
+# What a late-chunked request's windows finish into: nothing (their tokens are pooled later).
+NO_OUTPUT = Wants(pooled=False)
+
 # A finished request: its ticket and its outcome or its error.
 Delivery = tuple[Ticket, Outcome | ServiceError]
 # Called on the worker thread once per batch with every request the batch finished.
@@ -105,7 +109,7 @@ class Batcher:
     def __init__(
         self,
         embedder: Embedder,
-        metrics: Metrics,
+        metrics: ModelMetrics,
         deliver: Deliver,
         *,
         max_batch_tokens: int,
@@ -388,13 +392,13 @@ class Batcher:
             # On this thread, the one that runs torch: the thread count is per thread.
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
-            self.metrics.forward_passes.labels(str(threads)).inc()
+            self.metrics.forward_pass(threads)
             return self._run_model(batch)
 
     def _run_model(self, batch: list[WorkItem]) -> BatchOutput:
         return self.embedder.forward(
             [item.encoded for item in batch],
-            token_embeddings=any(item.ticket.wants.token_embeddings for item in batch),
+            token_embeddings=any(item.ticket.wants.needs_tokens for item in batch),
             attention=batch[0].ticket.wants.attention,
         )
 
@@ -423,7 +427,12 @@ class Batcher:
     def _deliver_finished(
         self, batch: list[WorkItem], output: BatchOutput, started: float, seconds: float
     ) -> None:
-        outputs = self.finish(output.pooled.numpy(), [item.ticket.wants for item in batch])
+        # A late-chunked request's windows have no output of their own: its chunks' come
+        # from their token vectors once all are done (`_pool_chunks`).
+        asked = [item.ticket.wants for item in batch]
+        outputs = self.finish(
+            output.pooled.numpy(), [w if w.late is None else NO_OUTPUT for w in asked]
+        )
         deliveries: list[Delivery] = []
         for row, item in enumerate(batch):
             ticket = item.ticket
@@ -437,7 +446,7 @@ class Batcher:
             ticket.results[item.row] = ItemResult(
                 outputs[row],
                 output.token_embeddings[row].numpy()
-                if wants.token_embeddings and output.token_embeddings
+                if wants.needs_tokens and output.token_embeddings
                 else None,
                 {layer: maps.numpy() for layer, maps in output.attentions[row].items()}
                 if output.attentions
@@ -446,10 +455,37 @@ class Batcher:
             ticket.remaining -= 1
             if ticket.remaining == 0:
                 items = [r for r in ticket.results if r is not None]
+                if wants.late is not None:
+                    try:
+                        items = self._pool_chunks(items, wants, wants.late)
+                    except Exception:
+                        log.exception("pooling a late-chunked request's chunks failed")
+                        self._fail({ticket}, "the model failed on this request's chunks")
+                        continue
                 outcome = Outcome(items, ticket.queue_seconds, ticket.inference_seconds)
                 deliveries.append((ticket, outcome))
         if deliveries:
             self.deliver(deliveries)
+
+    def _pool_chunks(
+        self, windows: list[ItemResult], wants: Wants, documents: Sequence[LateDocument]
+    ) -> list[ItemResult]:
+        """Each late-chunked document's chunk vectors, (chunks, D), finished as asked."""
+        results = []
+        parts = iter(windows)
+        for document in documents:
+            own = [next(parts) for _ in range(document.windows)]
+            states = np.concatenate(
+                [
+                    window.token_embeddings[start:stop]
+                    for window, (start, stop) in zip(own, document.keeps, strict=True)
+                    if window.token_embeddings is not None
+                ]
+            )
+            pooled = self.embedder.pool_spans(states, document.spans)
+            vectors = self.finish(pooled, [wants] * len(document.spans))
+            results.append(ItemResult(np.stack([v for v in vectors if isinstance(v, np.ndarray)])))
+        return results
 
     def _fail(self, tickets: set[Ticket], message: str) -> None:
         """Each request gets an error of its own (never one shared exception object)."""

@@ -4,9 +4,9 @@ Why one: torch's CPU kernels parallelise with OpenMP (libgomp), which keeps a po
 threads for each thread that starts parallel work. Once it manages more threads than there
 are CPUs, it stops spinning between parallel regions and puts its workers to sleep, and each
 of the hundreds of regions in a forward pass then pays for waking them. Loading the model in
-one thread and running it in another doubled a one-sentence forward pass on a 2-core machine
-(4.4 ms against 9.3 ms in bfloat16, timed back to back on each thread; `tests/app/test_compute.py`
-checks that the service keeps to one thread).
+one thread and running it in another therefore makes every short forward pass markedly slower
+(docs/architecture.md); `tests/app/test_compute.py` checks that the service keeps to one
+thread.
 """
 
 from __future__ import annotations

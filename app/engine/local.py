@@ -15,7 +15,7 @@ from app.engine.model_engine import ModelEngine
 from app.engine.protocol import Outcome, Wants
 from app.errors import ServiceError
 from app.metrics import Metrics
-from app.settings import Settings
+from app.settings import ServedModel, Settings
 from model import Encoded
 from model.codec import ModelCard
 
@@ -36,8 +36,8 @@ class LocalPending:
 
 
 class LocalEngine:
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
-        self.model = ModelEngine(settings, metrics, settings.devices[0])
+    def __init__(self, settings: Settings, served: ServedModel, metrics: Metrics) -> None:
+        self.model = ModelEngine(settings, served, metrics.of(served.name), settings.devices[0])
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> ModelCard:

@@ -15,8 +15,8 @@ import numpy as np
 from app.cores import CoreLease
 from app.engine.batcher import Batcher, Deliver
 from app.engine.compute import ComputeThread
-from app.metrics import Metrics
-from app.settings import Settings
+from app.metrics import ModelMetrics
+from app.settings import ServedModel, Settings
 from model import Embedder, Encoded
 from model.codec import ModelCard
 from model.info import Task
@@ -37,7 +37,8 @@ class ModelEngine:
     def __init__(
         self,
         settings: Settings,
-        metrics: Metrics,
+        served: ServedModel,
+        metrics: ModelMetrics,
         device: str,
         cores: CoreLease | None = None,
         weights: WeightStore | None = None,
@@ -46,6 +47,7 @@ class ModelEngine:
         shared memory, where several engines run on one CPU (app/cores.py,
         model/shared_weights.py)."""
         self.settings = settings
+        self.served = served
         self.metrics = metrics
         self.device = device
         self.cores = cores
@@ -64,7 +66,7 @@ class ModelEngine:
         self.compute = compute = ComputeThread(threads)
         embedder = compute.submit(
             Embedder.load,
-            settings.model_id,
+            self.served.model_id,
             task=settings.task,
             device=self.device,
             dtype=settings.dtype,
@@ -86,7 +88,7 @@ class ModelEngine:
         calibration = None
         if info.task is Task.EMBED:
             calibration = compute.submit(self._calibrate, embedder).result()
-        self.metrics.model_info.labels(info.model_id, info.dtype, info.device).set(1)
+        self.metrics.model_info.labels(self.served.name, info.dtype, info.device).set(1)
         self.batcher = Batcher(
             embedder,
             self.metrics,
@@ -106,7 +108,11 @@ class ModelEngine:
         )
         if info.device == "cpu" and (oversubscription := settings.cpu_oversubscription()):
             log.warning(oversubscription)
-        return replace(embedder.codec.card, calibration=calibration)
+        # Requests and responses name the model as it is served.
+        card = embedder.codec.card
+        return replace(
+            card, info=replace(card.info, model_id=self.served.name), calibration=calibration
+        )
 
     def _calibrate(self, embedder: Embedder) -> FloatArray:
         """The model's vectors of the calibration texts, which set the int8 and uint8 ranges

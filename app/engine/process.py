@@ -37,7 +37,7 @@ from app.engine.wire import (
     to_engine_decoder,
 )
 from app.metrics import Metrics
-from app.settings import Settings
+from app.settings import ServedModel, Settings
 from model.shared_weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class EngineProcess:
     def __init__(
         self,
         settings: Settings,
+        served: ServedModel,
         index: int,
         device: str,
         run_dir: Path,
@@ -102,7 +103,9 @@ class EngineProcess:
         self.index = index
         self.board = board
         self.path = engine_address(run_dir, index)
-        self.model = ModelEngine(settings, Metrics(), device, cores, weights)
+        self.model = ModelEngine(
+            settings, served, Metrics().of(served.name), device, cores, weights
+        )
         self.tickets: dict[Key, Ticket] = {}
         self.stopping = False
 

@@ -28,6 +28,20 @@ IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)
+class LateDocument:
+    """A late-chunked text (app/chunking.py): the token vectors of its windows, each cut to
+    `keeps`, laid end to end are the text's; each of `spans` (token positions in the text)
+    is pooled into one chunk's vector."""
+
+    keeps: tuple[tuple[int, int], ...]  # per window: the positions in it that it gives
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def windows(self) -> int:
+        return len(self.keeps)
+
+
+@dataclass(frozen=True, slots=True)
 class Wants:
     """What each input of a request asks to get back."""
 
@@ -36,6 +50,18 @@ class Wants:
     dimensions: int | None = None
     token_embeddings: bool = False
     attention: AttentionSpec | None = None
+    # Late chunking: the inputs are these documents' windows, in order, and each document's
+    # result is one finished vector per chunk, (chunks, D).
+    late: tuple[LateDocument, ...] | None = None
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether the forward pass must hand back its token vectors."""
+        return self.token_embeddings or self.late is not None
+
+    def results(self, inputs: int) -> int:
+        """How many results a request of `inputs` inputs gets back."""
+        return inputs if self.late is None else len(self.late)
 
 
 # A task's finished output for one input (app/tasks/): a vector (an embedding's, cut and

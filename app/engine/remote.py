@@ -2,9 +2,9 @@
 
 One Unix stream socket to each engine, carrying length-framed msgpack both ways
 (app/engine/wire.py), read and written by the front end's own event loop: no thread and no
-broker between the two processes, one system call per message each way. (ZeroMQ, tried
-first, hands every message to I/O threads of its own on both sides: a round trip cost three
-times as much CPU; README: Choices.) Work goes to the engine that would finish it first by
+broker between the two processes, one system call per message each way. (ZeroMQ hands every
+message to I/O threads of its own on both sides, which costs several times the CPU per round
+trip; docs/decisions.md.) Work goes to the engine that would finish it first by
 the backlog each publishes (app/engine/state.py), which also decides the fast 429. An engine
 whose connection closes has died: its requests fail, and /live says so.
 """
@@ -155,7 +155,9 @@ class RemoteEngine:
         left = deadline - time.perf_counter()
         self._admit(engine, sum(len(e.ids) for e in encoded), left)
         request = next(self._requests)
-        pending = RemotePending(link, request, len(encoded), self._loop.create_future())
+        pending = RemotePending(
+            link, request, wants.results(len(encoded)), self._loop.create_future()
+        )
         link.pending[request] = pending
         link.send(framed(submit_message(request, left, encoded, wants)))
         return pending

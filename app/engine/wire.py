@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from app.engine.protocol import ItemResult, Outcome, Output, Wants
+from app.engine.protocol import ItemResult, LateDocument, Outcome, Output, Wants
 from app.errors import BackendError, OverloadedError, ServiceError
 from model.info import AttentionSpec
 from model.tokenizer import Encoded
@@ -67,6 +67,8 @@ class Submit(msgspec.Struct, array_like=True, tag=0):
     token_embeddings: bool
     # layers, heads, mean
     attention: tuple[list[int], list[int], bool] | None
+    # Late chunking: per document, its windows' keeps and its chunks' spans.
+    late: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] | None = None
 
 
 class Abort(msgspec.Struct, array_like=True, tag=1):
@@ -87,6 +89,8 @@ class Reply(msgspec.Struct, array_like=True):
     # (N, D): every input's output vector (an embedding's, a classifier's logits).
     vectors: bytes | None = None
     vector_width: int = 0
+    # Late chunking: each document's rows of `vectors`, one per chunk.
+    vector_rows: list[int] | None = None
     # Per-token vectors: every input's rows, one after another, and their counts.
     token_embeddings: bytes | None = None
     token_counts: list[int] | None = None
@@ -121,6 +125,7 @@ def submit_message(request: int, left: float, encoded: Sequence[Encoded], wants:
         wants.dimensions,
         wants.token_embeddings,
         (list(attention.layers), list(attention.heads), attention.mean) if attention else None,
+        [(list(doc.keeps), list(doc.spans)) for doc in wants.late] if wants.late else None,
     )
 
 
@@ -135,8 +140,11 @@ def submitted(message: Submit) -> tuple[list[Encoded], Wants]:
     spec = None
     if attention is not None:
         spec = AttentionSpec(tuple(attention[0]), tuple(attention[1]), attention[2])
+    late = None
+    if message.late is not None:
+        late = tuple(LateDocument(tuple(keeps), tuple(spans)) for keeps, spans in message.late)
     wants = Wants(
-        message.pooled, message.normalize, message.dimensions, message.token_embeddings, spec
+        message.pooled, message.normalize, message.dimensions, message.token_embeddings, spec, late
     )
     return encoded, wants
 
@@ -153,6 +161,8 @@ def outcome_reply(request: int, outcome: Outcome) -> Reply:
     if isinstance(first.output, np.ndarray):
         reply.vectors = b"".join(_bytes(item.vector) for item in items)
         reply.vector_width = first.output.shape[-1]
+        if first.output.ndim == 2:  # late chunking's (chunks, D) per document
+            reply.vector_rows = [len(item.vector) for item in items]
     if first.token_embeddings is not None:
         states = [item.token_embeddings for item in items if item.token_embeddings is not None]
         reply.token_embeddings = b"".join(_bytes(rows) for rows in states)
@@ -176,7 +186,11 @@ def reply_outcome(reply: Reply, count: int) -> Outcome | ServiceError:
     """The front end's side: the request's `count` results as views on the reply's bytes."""
     if reply.failure is not None:
         return _error(reply.failure)
-    vectors = _rows(reply.vectors, (count, reply.vector_width)) if reply.vectors else None
+    vectors: list[np.ndarray] | None = None
+    if reply.vectors is not None and reply.vector_rows is not None:
+        vectors = _split(reply.vectors, reply.vector_rows, reply.vector_width)
+    elif reply.vectors is not None:
+        vectors = list(_rows(reply.vectors, (count, reply.vector_width)))
     sparse = _sparse(reply)
     outputs: list[Output | None] = (
         list(vectors) if vectors is not None else list(sparse) if sparse else [None] * count

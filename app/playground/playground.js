@@ -12,6 +12,7 @@
     selected: 0, // index of the sentence whose tokens and attention are shown
     tokens: null, // [{id, text, special, start, stop, piece}], /tokenize's shape plus the vocabulary's spelling
     attention: null, // {sentence, layer, head ('mean' or a number), values: T x T}
+    chunks: null, // [{start, end, tokens, text, score}] of the long text, score against the query
     error: null,
     busy: 0, // requests in flight
   };
@@ -579,7 +580,71 @@
     }
   }
 
+  // ---------------------------------------------------------------------------- chunks
+  const dot = (a, b) => a.reduce((sum, value, i) => sum + value * b[i], 0);
+
+  async function chunkAndRank() {
+    clearError();
+    const text = $('document').value;
+    const query = $('query').value.trim();
+    if (!text.trim() || !query) {
+      showError('Type a long text and a query.');
+      return;
+    }
+    const button = $('chunk-run');
+    button.disabled = true;
+    try {
+      if (!state.info) await loadInfo();
+      setStatus('Embedding the text in chunks…');
+      const chunking = { mode: $('chunk-mode').value, size: Number($('chunk-size').value) };
+      const [chunks] = await api('embed_chunks', { inputs: text, chunking });
+      const [queryVector] = await api('embed', { inputs: query });
+      // Both are unit vectors (normalize defaults to true): their dot product is the cosine.
+      state.chunks = chunks.map((chunk) => ({
+        start: chunk.start,
+        end: chunk.end,
+        tokens: chunk.tokens,
+        text: text.slice(chunk.start, chunk.end),
+        score: dot(chunk.embedding, queryVector),
+      }));
+      renderChunks();
+      setStatus(`${chunks.length} chunk${chunks.length === 1 ? '' : 's'}.`);
+    } catch (error) {
+      setStatus('');
+      showError(error);
+    } finally {
+      button.disabled = false;
+    }
+  }
+
+  function renderChunks() {
+    const list = $('chunks');
+    list.replaceChildren();
+    const best = Math.max(...state.chunks.map((chunk) => chunk.score));
+    for (const chunk of state.chunks) {
+      const item = document.createElement('li');
+      item.className = chunk.score === best ? 'chunk best' : 'chunk';
+      const bar = document.createElement('span');
+      bar.className = 'bar';
+      const level = Math.max(0, Math.min(1, chunk.score));
+      bar.style.width = `${Math.round(level * 100)}%`;
+      bar.style.background = rgb(viridis(level));
+      const figure = document.createElement('span');
+      figure.className = 'score';
+      figure.textContent = `${chunk.score.toFixed(3)} · ${chunk.tokens} tokens · characters ${chunk.start}–${chunk.end}`;
+      const words = document.createElement('p');
+      words.textContent = chunk.text;
+      item.append(figure, bar, words);
+      list.append(item);
+    }
+    $('chunks-panel').hidden = false;
+  }
+
   function setup() {
+    $('chunk-form').addEventListener('submit', (event) => {
+      event.preventDefault();
+      chunkAndRank();
+    });
     $('form').addEventListener('submit', (event) => {
       event.preventDefault();
       compare();

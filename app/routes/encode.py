@@ -1,8 +1,9 @@
-"""POST /encode: pooled and per-token vectors, tokens with offsets, and attention maps."""
+"""POST /encode: pooled and per-token vectors, tokens with offsets, and attention maps; and
+POST /embed_chunks: long texts' chunks, each with its vector and offsets."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter
@@ -10,13 +11,15 @@ from starlette.responses import Response
 
 from app.dependencies import DisconnectDep, ServiceDep
 from app.engine.protocol import ItemResult
+from app.errors import ValidationFailedError
+from app.params import ChunkOptions, EncodeOptions
 from app.responses import Encoding, array_payload, render, timing_headers, usage_payload
 from app.routes.errors import error_responses
-from app.schemas import EncodeRequest, EncodeResponse
-from app.service import EncodeResult
+from app.schemas import ChunkRequest, ChunkVector, EncodeRequest, EncodeResponse
+from app.service import ChunkedResult, EmbeddingService, EncodeResult
 from app.tasks import require_task
 from model import Encoded
-from model.quantization import CodeArray
+from model.quantization import CodeArray, Precision
 
 router = APIRouter(tags=["encode"], responses=error_responses())
 
@@ -49,9 +52,11 @@ def attention_payload(
     summary="Pooled and per-token vectors, tokens and attention maps",
 )
 async def encode(body: EncodeRequest, service: ServiceDep, disconnected: DisconnectDep) -> Response:
-    if body.pooled:  # the pooled vector is an embedding model's; the rest any model has
+    if body.pooled or body.chunking:  # pooled vectors are an embedding model's
         require_task(service.info, "/embed")
     options = body.options()
+    if body.chunking is not None:
+        return await encode_chunks(body, body.chunking.options(), service, disconnected)
     result = await service.encode(body.inputs_list(), options, disconnected)
     codes = None
     if body.quantize is not None and body.pooled:  # without a pooled vector, nothing to code
@@ -87,3 +92,67 @@ def encode_payload(
             entry["attention"] = attention_payload(item, heads, body.encoding)
         data.append(entry)
     return {"model": result.model.model_id, "data": data, "usage": usage_payload(result)}
+
+
+async def encode_chunks(
+    body: EncodeRequest, chunking: ChunkOptions, service: ServiceDep, disconnected: DisconnectDep
+) -> Response:
+    if not body.pooled or body.token_embeddings or body.attention is not None:
+        raise ValidationFailedError(
+            "chunking gives one pooled vector per chunk: it takes pooled true, and neither "
+            "token_embeddings nor attention",
+            param="chunking",
+        )
+    options = body.options()
+    result = await service.chunk(body.inputs_list(), options, chunking, disconnected)
+    encoding = body.quantize or body.encoding
+    data = []
+    for index, (document, chunks) in enumerate(
+        zip(result.documents, chunk_payloads(result, encoding, service, options), strict=True)
+    ):
+        entry: dict[str, Any] = {"index": index, "truncated": False, "chunks": chunks}
+        if body.tokens:
+            entry["tokens"] = token_payload(document)
+        data.append(entry)
+    payload = {"model": result.model.model_id, "data": data, "usage": usage_payload(result)}
+    return await render(
+        lambda: payload, values=sum(v.size for v in result.vectors), headers=timing_headers(result)
+    )
+
+
+def chunk_payloads(
+    result: ChunkedResult,
+    encoding: Encoding | Precision,
+    service: EmbeddingService,
+    options: EncodeOptions,
+) -> list[list[dict[str, Any]]]:
+    """Per text, each chunk's offsets, token count and vector (floats, base64 or codes)."""
+    payloads = []
+    for chunks, vectors in zip(result.chunks, result.vectors, strict=True):
+        if encoding == "float" or encoding == "base64":
+            embeddings: Sequence[Any] = [array_payload(v, encoding) for v in vectors]
+        else:
+            embeddings = list(service.quantized(vectors, encoding, options))
+        payloads.append(
+            [
+                {"start": c.start, "end": c.end, "tokens": c.tokens, "embedding": embedding}
+                for c, embedding in zip(chunks, embeddings, strict=True)
+            ]
+        )
+    return payloads
+
+
+@router.post(
+    "/embed_chunks",
+    response_model=list[list[ChunkVector]],
+    summary="Long texts cut into chunks: one vector per chunk, with its character offsets",
+)
+async def embed_chunks(
+    body: ChunkRequest, service: ServiceDep, disconnected: DisconnectDep
+) -> Response:
+    options = body.options()
+    result = await service.chunk(body.inputs_list(), options, body.chunking.options(), disconnected)
+    payload = chunk_payloads(result, body.encoding, service, options)
+    return await render(
+        lambda: payload, values=sum(v.size for v in result.vectors), headers=timing_headers(result)
+    )

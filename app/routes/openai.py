@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from app.dependencies import DisconnectDep, ServiceDep
+from app.dependencies import DisconnectDep, ServiceDep, ServicesDep
 from app.responses import JSONResponse, base64_floats, timing_headers, usage_payload
 from app.routes.errors import error_responses
 from app.schemas import ModelList, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
@@ -58,8 +58,17 @@ router.add_api_route(
 )
 
 
-@router.get("/v1/models", response_model=ModelList, summary="The served model, as OpenAI lists it")
-async def list_models(service: ServiceDep) -> Response:
-    info = service.info
-    card = {"id": info.model_id, "object": "model", "created": service.loaded_at, "owned_by": OWNER}
-    return JSONResponse({"object": "list", "data": [card]})
+@router.get(
+    "/v1/models", response_model=ModelList, summary="The served models, as OpenAI lists them"
+)
+async def list_models(services: ServicesDep) -> Response:
+    cards = [
+        {
+            "id": service.info.model_id,
+            "object": "model",
+            "created": service.loaded_at,
+            "owned_by": OWNER,
+        }
+        for service in services
+    ]
+    return JSONResponse({"object": "list", "data": cards})

@@ -44,7 +44,9 @@ def tei_model_type(info: ModelInfo) -> dict[str, dict[str, object]]:
 SPEC = TaskSpec(
     Task.EMBED,
     "an embedding",
-    frozenset({"/embed", "/similarity", "/v1/embeddings", "/embeddings", "/v2/embed"}),
+    frozenset(
+        {"/embed", "/embed_chunks", "/similarity", "/v1/embeddings", "/embeddings", "/v2/embed"}
+    ),
     main_path,
     tei_model_type,
     finish_vectors,

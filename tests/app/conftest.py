@@ -51,30 +51,47 @@ def placement(request: pytest.FixtureRequest) -> Placement:
 
 
 @contextmanager
-def engine_process(settings: Settings) -> Iterator[RemoteEngine]:
-    """An engine in a process of its own, as the supervisor starts one, and a front end's
-    client for it. (Its metrics stay in its own process: the test's registry is not shared.)"""
+def engine_processes(settings: Settings) -> Iterator[dict[str, RemoteEngine]]:
+    """Each served model's engine in a process of its own, as the supervisor starts them,
+    and a front end's client for each, by name. (Their metrics stay in their own processes:
+    the test's registry is not shared.)"""
     context = multiprocessing.get_context("spawn")
+    served = settings.models()
     with tempfile.TemporaryDirectory(prefix="embed-test-") as folder:
-        run_dir = Path(folder)
-        shared = Shared(
-            run_dir, run_dir / "board", 1, None, None, context.RawArray(ctypes.c_int, 1)
-        )
-        board = EngineBoard.create(shared.board_path, 1)
-        receiving, sending = context.Pipe(duplex=False)
-        process = context.Process(
-            target=run_engine, args=(settings, 0, settings.devices[0], shared, sending)
-        )
-        process.start()
-        sending.close()
+        shared = Shared(Path(folder), 1, None, False, context.RawArray(ctypes.c_int, 1))
+        shared.prepare(len(served))
+        processes = []
         try:
-            kind, card = receiving.recv()
-            assert kind == "ready", card
+            links = []
+            for model, each in enumerate(served):
+                receiving, sending = context.Pipe(duplex=False)
+                process = context.Process(
+                    target=run_engine,
+                    args=(settings, each, model, 0, settings.devices[0], shared, sending),
+                )
+                process.start()
+                sending.close()
+                processes.append(process)
+                links.append(receiving)
             admission = Admission(settings.request_timeout, settings.max_queue_wait)
-            yield RemoteEngine(card, run_dir, board, admission)
+            engines = {}
+            for model, (each, link) in enumerate(zip(served, links, strict=True)):
+                kind, card = link.recv()
+                assert kind == "ready", card
+                board = EngineBoard(shared.board_path(model), 1)
+                engines[each.name] = RemoteEngine(card, shared.model_dir(model), board, admission)
+            yield engines
         finally:
-            process.terminate()
-            process.join(30)
+            for process in processes:
+                process.terminate()
+                process.join(30)
+
+
+@contextmanager
+def engine_process(settings: Settings) -> Iterator[RemoteEngine]:
+    """The first model's engine in a process of its own, and a front end's client for it."""
+    with engine_processes(settings) as engines:
+        yield next(iter(engines.values()))
 
 
 @asynccontextmanager
@@ -87,8 +104,8 @@ async def running_app(
         async with _serving(create_app(settings)) as running:
             yield running
         return
-    with engine_process(settings) as engine:
-        async with _serving(create_app(settings, engine)) as running:
+    with engine_processes(settings) as engines:
+        async with _serving(create_app(settings, engines)) as running:
             yield running
 
 

@@ -198,7 +198,7 @@ def make_batcher(embedder: Embedder, **overrides: float) -> Batcher:
     values.update(overrides)
     return Batcher(
         embedder,
-        Metrics(),
+        Metrics().of("tiny"),
         lambda deliveries: None,
         max_batch_tokens=int(values["max_batch_tokens"]),
         max_batch_inputs=int(values["max_batch_inputs"]),

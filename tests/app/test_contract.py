@@ -70,7 +70,13 @@ OPERATIONS_SERVED_BY_ANY_MODEL = {
 }
 SERVED = {
     "embedding": OPERATIONS_SERVED_BY_ANY_MODEL
-    | {"POST /embed", "POST /v1/embeddings", "POST /v2/embed", "POST /similarity"},
+    | {
+        "POST /embed",
+        "POST /embed_chunks",
+        "POST /v1/embeddings",
+        "POST /v2/embed",
+        "POST /similarity",
+    },
     "reranker": OPERATIONS_SERVED_BY_ANY_MODEL | {"POST /predict", "POST /rerank"},
     "splade": OPERATIONS_SERVED_BY_ANY_MODEL | {"POST /embed_sparse"},
 }
@@ -155,14 +161,32 @@ def run_schemathesis(app: FastAPI, *, headers: dict[str, str] | None = None) -> 
             total += len(encoded.ids)
         return total <= limit
 
+    def chunks_what_it_cannot(body: dict[str, Any]) -> bool:
+        """Chunking with an overlap not below the chunk size, or on /encode with more than
+        the pooled vector asked for."""
+        chunking = body.get("chunking")
+        if not isinstance(chunking, dict):
+            return False
+        if body.get("token_embeddings") or body.get("attention") or body.get("pooled") is False:
+            return True
+        if not chunking.get("overlap"):
+            return False
+        size = chunking.get("size")
+        return not isinstance(size, int) or chunking["overlap"] >= size
+
     def filter_case(context: HookContext, case: schemathesis.Case[Any]) -> bool:
-        """The one rule JSON Schema cannot state: with `truncate: false`, text over the
-        model's token limit is refused (422, documented). Such cases are not sent as valid."""
+        """The rules JSON Schema cannot state: with `truncate: false`, text over the model's
+        token limit is refused, and so is chunking with an overlap not below the chunk size
+        or with per-token vectors or attention maps (422s, documented; an overlap without a
+        size is left out, the default size being the model's). Such cases are not sent as
+        valid."""
         body = case.body
         if case.meta is None or not case.meta.generation.mode.is_positive:
             return True
         if not isinstance(body, dict):
             return True
+        if chunks_what_it_cannot(body):
+            return False
         parameters = body.get("parameters")
         options = parameters if isinstance(parameters, dict) else body
         return options.get("truncate") is not False or fits(body)

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import gc
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -235,8 +236,8 @@ async def test_inputs_dropped_for_gone_clients_leave_the_queue_gauges_at_zero(
         await held
         await wait_until(lambda: batcher.depth == 0)  # dropped by the worker
         metrics = (await client.get("/metrics")).text  # the gauges are read at the scrape
-    assert "embed_queue_depth 0.0" in metrics
-    assert "embed_queue_tokens 0.0" in metrics
+    assert re.search(r"^embed_queue_depth\{model=\S+\} 0.0$", metrics, re.M)
+    assert re.search(r"^embed_queue_tokens\{model=\S+\} 0.0$", metrics, re.M)
     assert not any(FOX in ids for batch in gate.batches for ids in batch)
 
 

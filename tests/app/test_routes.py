@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import re
 from pathlib import Path
 
 import numpy as np
@@ -241,7 +242,7 @@ async def test_operations_routes(tiny_checkpoint: Path) -> None:
     ):
         assert name in metrics, name
     assert 'embed_requests_total{route="/embed",status="200"} 1.0' in metrics
-    assert "embed_inputs_total 2.0" in metrics
+    assert re.search(r'^embed_inputs_total\{model="[^"]+tiny"\} 2.0$', metrics, re.M)
     for path in ("/embed", "/embed_all", "/tokenize", "/v1/embeddings", "/encode", "/info"):
         assert {"413", "422", "429", "503", "504"} <= set(
             docs["paths"][path]["post" if path != "/info" else "get"]["responses"]

@@ -60,8 +60,9 @@ def scrape(url: str) -> str:
 
 
 def metric(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
+    """A metric's value, summed over its labels (the served models)."""
+    found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return sum(float(value) for value in found)
 
 
 def start(tmp_path: Path, checkpoint: Path, *flags: str, devices: str = "cpu") -> ServerProcess:
@@ -292,7 +293,7 @@ def test_an_engine_that_cannot_load_stops_the_start(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert started.returncode == 1
-    assert "engine 0 (engine-0) failed to start" in started.stderr
+    assert f"model {broken}: engine 0 (engine-0) failed to start" in started.stderr
 
 
 def test_a_port_in_use_stops_the_start_with_a_message(

@@ -160,3 +160,43 @@ def test_without_the_api_key_the_page_asks_for_it(server: Server, recorded: Reco
     assert "401 Unauthorized" in error
     assert "API key" in error
     assert page.locator("#similarity-panel").is_hidden()
+
+
+def test_a_long_text_shows_its_chunks_and_their_similarity_to_a_query(
+    server: Server, recorded: RecordedPage, tmp_path: Path
+) -> None:
+    page = recorded.page
+    text = " ".join(
+        [
+            "The guitar has six strings and a long neck.",
+            "Players strum chords or pick single notes.",
+            "Meanwhile, the stock market fell sharply today.",
+            "Investors sold shares of banks and airlines.",
+        ]
+        * 3
+    )
+    query = "who plays the guitar"
+    page.goto(f"{server.url}/playground")
+    page.fill("#api-key", API_KEY)
+    page.fill("#document", text)
+    page.fill("#query", query)
+    page.fill("#chunk-size", "24")
+    page.click("#chunk-run")
+    page.wait_for_function("() => window.playground.busy === 0 && window.playground.chunks")
+    shown: list[dict[str, Any]] = page.evaluate("() => window.playground.chunks")
+    with server.client() as client:
+        body = {"inputs": text, "chunking": {"mode": "late", "size": 24}}
+        chunks = client.post("/embed_chunks", json=body).json()[0]
+        [vector] = client.post("/embed", json={"inputs": query}).json()
+    assert [(c["start"], c["end"], c["tokens"]) for c in shown] == [
+        (c["start"], c["end"], c["tokens"]) for c in chunks
+    ]
+    scores = [cosine(c["embedding"], vector) for c in chunks]
+    np.testing.assert_allclose([c["score"] for c in shown], scores, atol=1e-5)
+    items = page.locator("#chunks .chunk")
+    assert items.count() == len(chunks) > 1
+    assert items.nth(0).inner_text().endswith(text[chunks[0]["start"] : chunks[0]["end"]])
+    best = int(np.argmax(scores))
+    assert "best" in (items.nth(best).get_attribute("class") or "")
+    page.screenshot(path=str(tmp_path / "chunks.png"), full_page=True)
+    assert recorded.csp_violations() == []

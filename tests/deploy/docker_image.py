@@ -344,8 +344,8 @@ async def in_process_embeddings(texts: list[str]) -> np.ndarray:
 
 def metric(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    found = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    return sum(float(value) for value in found)  # over its labels (the served models)
 
 
 def stop_during_a_request(

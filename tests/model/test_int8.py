@@ -17,7 +17,7 @@ from tests.model.test_parity_sentence_transformers import varied_sentences
 
 # all-MiniLM-L6-v2 on the parity sentences, int8 against float32: tighter than the int8
 # issue's bounds (ONNX Runtime's default per-tensor quantization, on STS-B), as per-channel
-# weight scales allow (the README's Benchmarks compare the two).
+# weight scales allow (docs/benchmarks.md compares the two).
 MIN_MEAN_COSINE = 0.985
 MIN_COSINE = 0.95
 needs_int8 = pytest.mark.skipif(

@@ -1,0 +1,219 @@
+"""Several models in one server: an embedding model, a cross-encoder and a SPLADE model, each
+answering as it does alone, chosen by `/models/{name}/` or by the body's `model`; requests
+to the three interleave without cross-talk, each model's 429 is its own, and start-up fails
+with the name of a model that cannot load or fit the memory budget."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.__main__ import over_budget
+from app.engine.local import LocalEngine
+from app.settings import Settings
+from model.footprint import weight_count
+from model.resolve import resolve_model_dir
+from tests.app.conftest import GatedForward, Placement, make_settings, running_app, wait_until
+from tests.app.test_contract import checkpoint_of
+from tests.app.test_server_process import free_port
+
+pytestmark = pytest.mark.anyio
+TEXTS = ["the quick brown fox", "hello world", "a lazy dog"]
+# (name, checkpoint kind, requests: (route, body))
+MODELS: list[tuple[str, str, list[tuple[str, dict[str, Any]]]]] = [
+    (
+        "embedder",
+        "embedding",
+        [
+            ("/embed", {"inputs": TEXTS}),
+            ("/embed_chunks", {"inputs": " ".join(TEXTS * 5), "chunking": {"size": 8}}),
+            ("/encode", {"inputs": TEXTS[0], "token_embeddings": True}),
+            ("/tokenize", {"inputs": TEXTS[1]}),
+        ],
+    ),
+    (
+        "reranker",
+        "reranker",
+        [
+            ("/rerank", {"query": "a fox", "texts": TEXTS}),
+            ("/predict", {"inputs": [["a fox", TEXTS[0]], ["a dog", TEXTS[2]]]}),
+        ],
+    ),
+    ("splade", "splade", [("/embed_sparse", {"inputs": TEXTS})]),
+]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: checkpoint_of(kind, root / name) for name, kind, _ in MODELS}
+
+
+def several(folders: dict[str, Path], **overrides: Any) -> Settings:
+    specs = [f"{name}={folder}" for name, folder in folders.items()]
+    return make_settings(folders["embedder"], model_id=specs, **overrides)
+
+
+def same(got: Any, expected: Any) -> None:
+    """Equal answers; floats to float32's rounding (the same model, another batch)."""
+    if isinstance(expected, float):
+        assert got == pytest.approx(expected, abs=1e-5)
+    elif isinstance(expected, list):
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected, strict=True):
+            same(a, b)
+    elif isinstance(expected, dict):
+        assert got.keys() == expected.keys()
+        for key in expected:
+            if key != "model":  # the served name, where alone it is the folder
+                same(got[key], expected[key])
+    else:
+        assert got == expected
+
+
+async def test_each_model_answers_as_it_does_alone(
+    placement: Placement, folders: dict[str, Path]
+) -> None:
+    alone: dict[tuple[str, str], Any] = {}
+    for name, _, requests in MODELS:
+        async with running_app(make_settings(folders[name]), placement) as (_, client):
+            for route, body in requests:
+                response = await client.post(route, json=body)
+                assert response.status_code == 200, response.text
+                alone[name, route] = response.json()
+    async with running_app(several(folders), placement) as (_, client):
+        for name, _, requests in MODELS:
+            for route, body in requests:
+                response = await client.post(f"/models/{name}{route}", json=body)
+                assert response.status_code == 200, (name, route, response.text)
+                same(response.json(), alone[name, route])
+        # The bare routes are the first model's; OpenAI's and Cohere's name theirs.
+        same(
+            (await client.post("/embed", json={"inputs": TEXTS})).json(),
+            alone["embedder", "/embed"],
+        )
+        openai = await client.post("/v1/embeddings", json={"input": TEXTS, "model": "embedder"})
+        assert openai.json()["model"] == "embedder"
+        vectors = [item["embedding"] for item in openai.json()["data"]]
+        same(vectors, alone["embedder", "/embed"])
+        listed = (await client.get("/v1/models")).json()["data"]
+        assert [card["id"] for card in listed] == ["embedder", "reranker", "splade"]
+        info = (await client.get("/models/reranker/info")).json()
+        assert info["model_id"] == "reranker" and info["task"] == "classify"
+        assert (await client.get("/info")).json()["model_id"] == "embedder"
+        assert (await client.get("/models/splade/health")).status_code == 200
+
+
+async def test_unknown_models_and_wrong_tasks_are_clear_errors(folders: dict[str, Path]) -> None:
+    async with running_app(several(folders)) as (_, client):
+        prefixed = await client.post("/models/nope/embed", json={"inputs": "a"})
+        openai = await client.post("/v1/embeddings", json={"input": "a", "model": "nope"})
+        cohere = await client.post("/v2/embed", json={"texts": ["a"], "model": "nope"})
+        wrong = await client.post("/models/reranker/embed", json={"inputs": "a"})
+    assert prefixed.status_code == 404
+    assert "/models/embedder/" in prefixed.json()["error"]
+    assert openai.status_code == 404 and openai.json()["error"]["type"] == "invalid_request_error"
+    assert "it serves 'embedder', 'reranker', 'splade'" in openai.json()["error"]["message"]
+    assert cohere.status_code == 404
+    assert wrong.status_code == 424 and "reranker" in wrong.json()["error"]
+
+
+async def test_requests_to_three_models_interleave_without_cross_talk(
+    placement: Placement, folders: dict[str, Path]
+) -> None:
+    async with running_app(several(folders), placement) as (_, client):
+        expected = {
+            (name, route): (await client.post(f"/models/{name}{route}", json=body)).json()
+            for name, _, requests in MODELS
+            for route, body in requests
+        }
+        calls = [
+            (name, route, body)
+            for _ in range(8)
+            for name, _, requests in MODELS
+            for route, body in requests
+        ]
+        answers = await asyncio.gather(
+            *(client.post(f"/models/{name}{route}", json=body) for name, route, body in calls)
+        )
+        metrics = (await client.get("/metrics")).text
+    for (name, route, _), answer in zip(calls, answers, strict=True):
+        assert answer.status_code == 200
+        same(answer.json(), expected[name, route])
+    if placement == "in-process":  # the engines' own metrics are in their processes
+        for name in ("embedder", "reranker", "splade"):
+            assert re.search(rf'^embed_batch_size_count{{model="{name}"}} [1-9]', metrics, re.M)
+
+
+async def test_each_model_has_its_own_queue_and_429(folders: dict[str, Path]) -> None:
+    settings = several(folders, request_timeout=1.0, max_batch_inputs=1)
+    async with running_app(settings) as (app, client):
+        embedder = app.state.models["embedder"]
+        assert isinstance(embedder.engine, LocalEngine)
+        batcher = embedder.engine.model.batcher
+        assert batcher is not None
+        gate = GatedForward(embedder)
+        held = await gate.hold(client)
+        batcher._seconds, batcher._tokens = 0.01, 1.0  # 0.01 s per token: 100 tokens fit
+        queued = [
+            asyncio.create_task(client.post("/embed", json={"inputs": f"fox {i}"}))
+            for i in range(24)
+        ]
+        await wait_until(lambda: batcher.depth == 24)
+        refused = await client.post("/models/embedder/embed", json={"inputs": "fox"})
+        other = await client.post("/models/reranker/rerank", json={"query": "a", "texts": ["b"]})
+        batcher._seconds = 0.0
+        gate.gate.set()
+        await asyncio.gather(held, *queued)
+    assert refused.status_code == 429
+    assert other.status_code == 200
+
+
+def test_a_model_that_cannot_load_fails_the_start_with_its_name(
+    tmp_path: Path, folders: dict[str, Path]
+) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    for placement, second in (("split", f"bad={broken}"), ("in-process", f"gone={tmp_path}/x")):
+        started = subprocess.run(
+            [
+                sys.executable, "-m", "app", "--model-id", str(folders["embedder"]),
+                "--model-id", second, "--placement", placement, "--devices", "cpu",
+                "--host", "127.0.0.1", "--port", str(free_port()),
+            ],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert started.returncode == 1, started.stderr
+        name = second.partition("=")[0]
+        assert f"model {name}:" in started.stderr
+
+
+def test_models_over_the_memory_budget_are_refused_by_name(folders: dict[str, Path]) -> None:
+    """all-MiniLM-L6-v2's 22.7 M weights are 87 MiB in float32, half that in bfloat16."""
+    minilm = resolve_model_dir("sentence-transformers/all-MiniLM-L6-v2")
+    assert weight_count(minilm) == 22_713_728
+    served = {"minilm": minilm, "embedder": folders["embedder"]}
+    settings = make_settings(minilm, devices=["cpu"], dtype="float32")
+    fits = settings.model_copy(update={"memory_budget_mb": 100})
+    assert over_budget(fits, served) is None
+    refusal = over_budget(settings.model_copy(update={"memory_budget_mb": 80}), served)
+    assert refusal is not None
+    assert "minilm: 87 MiB, embedder: 0 MiB" in refusal
+    assert "more than memory_budget_mb 80" in refusal
+    halved = settings.model_copy(update={"memory_budget_mb": 80, "dtype": "bfloat16"})
+    assert over_budget(halved, served) is None
+
+
+async def test_with_one_model_the_model_field_is_not_checked(tiny_checkpoint: Path) -> None:
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        response = await client.post(
+            "/v1/embeddings", json={"input": "a", "model": "text-embedding-3-small"}
+        )
+    assert response.status_code == 200
