@@ -53,14 +53,17 @@ def model_folders(settings: Settings) -> dict[str, Path]:
 
 def over_budget(settings: Settings, folders: dict[str, Path]) -> str | None:
     """Why the models cannot fit `memory_budget_mb`, if they cannot: their weights at the
-    dtype they run in, once per GPU they are on and once for the CPU's engines (which share
-    one copy)."""
+    dtype they run in, once per GPU they are on and, on the CPU, once per engine where each
+    lays its linear layers out for oneDNN (`prepack`), else once for all (which share one
+    copy). The engines' working memory is not counted."""
     if settings.memory_budget_mb is None:
         return None
     gpus = sum(1 for device in settings.devices if device.startswith("cuda"))
-    copies = gpus + (1 if gpus < len(settings.devices) else 0)
+    cpu_engines = len(settings.devices) - gpus
+    copies = gpus + (cpu_engines if settings.prepack else min(cpu_engines, 1))
+    dtypes = {served.name: settings.for_model(served).dtype for served in settings.models()}
     mib = {
-        name: copies * weight_bytes(folder, settings.dtype) / 2**20
+        name: copies * weight_bytes(folder, dtypes[name]) / 2**20
         for name, folder in folders.items()
     }
     if sum(mib.values()) <= settings.memory_budget_mb:

@@ -14,12 +14,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from app.engine.protocol import LateDocument
+from app.errors import PayloadTooLargeError
 from app.limits import chunk_size
 from app.params import ChunkOptions
 from model.tokenizer import Encoded
 
-# Characters that end a sentence when whitespace follows them.
-SENTENCE_ENDS = frozenset(".!?;:\u3002\uff01\uff1f")
+# Marks that end a sentence when whitespace follows them, and full-width ones that end it
+# whatever follows (Chinese and Japanese put no space after a sentence).
+SENTENCE_ENDS = frozenset(".!?;:")
+FULL_WIDTH_ENDS = frozenset("\u3002\uff01\uff1f\uff1b")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,14 +46,32 @@ class Content:
     stop: int
 
     @classmethod
-    def of(cls, encoded: Encoded) -> Content:
-        first = encoded.prompt_length
-        while first < len(encoded.ids) and encoded.special[first]:
+    def of(cls, encoded: Encoded, prompt_chars: int) -> Content:
+        """By the offsets: the text's first token is the first that ends past the prompt (a
+        byte-level tokenizer may fold the prompt's last space into it)."""
+        assert encoded.offsets is not None, "a text's tokens have offsets"
+        first = 0
+        while first < len(encoded.ids) and (
+            encoded.special[first] or encoded.offsets[first][1] <= prompt_chars
+        ):
             first += 1
         stop = len(encoded.ids)
         while stop > first and encoded.special[stop - 1]:
             stop -= 1
         return cls(first, stop)
+
+    def around(self, encoded: Encoded) -> int:
+        """Tokens that are not the text's own: special tokens and the prompt's."""
+        return len(encoded.ids) - (self.stop - self.first)
+
+
+@dataclass(frozen=True, slots=True)
+class TextPlan:
+    """A text's tokens, where its own lie among them, and its chunks."""
+
+    document: Encoded
+    content: Content
+    chunks: list[Chunk]
 
 
 def plan_texts(
@@ -59,36 +80,59 @@ def plan_texts(
     prompt_chars: int,
     chunking: ChunkOptions,
     limit: int,
-) -> list[list[Chunk]]:
-    """Each text's chunks, at most as many tokens as the model takes (`limit`) beside its
-    special tokens and the prompt; 422 for an overlap not below the size asked."""
-    first = documents[0]  # every text of a request has the same special tokens and prompt
-    content = Content.of(first)
-    room = limit - content.first - (len(first.ids) - content.stop)
+    most: tuple[int, int],
+) -> list[TextPlan]:
+    """Each text's chunks, each at most as many tokens as the model takes (`limit`) beside
+    its special tokens and the prompt. `most`: chunks per text and per request, past which
+    planning stops with a 413; 422 for an overlap not below the size asked."""
+    contents = [Content.of(document, prompt_chars) for document in documents]
+    room = limit - contents[0].around(documents[0])  # the same around every text
     size, overlap = chunk_size(chunking.size, chunking.overlap, max(room, 1))
-    return [
-        plan_chunks(document, text, prompt_chars, size, overlap)
-        for document, text in zip(documents, texts, strict=True)
-    ]
+    per_text, per_request = most
+    plans: list[TextPlan] = []
+    left = per_request
+    for index, (document, content, text) in enumerate(zip(documents, contents, texts, strict=True)):
+        chunks = plan_chunks(
+            document, content, text, prompt_chars, (size, overlap), min(per_text, left)
+        )
+        if len(chunks) > per_text:
+            raise PayloadTooLargeError(
+                f"input {index} makes more than {per_text} chunks, the limit per input; send "
+                "a shorter text or ask for larger chunks"
+            )
+        left -= len(chunks)
+        if left < 0:
+            raise PayloadTooLargeError(
+                f"the request makes more than {per_request} chunks, the limit per request"
+            )
+        plans.append(TextPlan(document, content, chunks))
+    return plans
 
 
 def plan_chunks(
-    encoded: Encoded, text: str, prompt_chars: int, size: int, overlap: int
+    encoded: Encoded,
+    content: Content,
+    text: str,
+    prompt_chars: int,
+    size_and_overlap: tuple[int, int],
+    most: int,
 ) -> list[Chunk]:
     """The chunks of `text`, whose tokens (with the prompt of `prompt_chars` characters in
-    front) are `encoded`; `overlap` < `size`."""
+    front) are `encoded`, up to one past `most`. A chunk ends at the last sentence end, else
+    the last word start, in its second half (and past the overlap), else after `size`."""
     assert encoded.offsets is not None, "a text's tokens have offsets"
+    size, overlap = size_and_overlap
     offsets = encoded.offsets
-    content = Content.of(encoded)
     chunks: list[Chunk] = []
     first = content.first
-    while first < content.stop:
+    while first < content.stop and len(chunks) <= most:
         stop = min(first + size, content.stop)
         if stop < content.stop:
-            later_half = range(stop, first + size // 2, -1)
-            ends = (p for p in later_half if _starts_sentence(text, offsets, p, prompt_chars))
-            stop = next(ends, stop)
-        start, end = offsets[first][0] - prompt_chars, offsets[stop - 1][1] - prompt_chars
+            # Never at or before first + overlap: the next chunk then starts past this one's.
+            lowest = first + max(size // 2, overlap)
+            stop = _best_end(text, offsets, range(stop, lowest, -1), prompt_chars) or stop
+        start = max(offsets[first][0] - prompt_chars, 0)
+        end = offsets[stop - 1][1] - prompt_chars
         chunks.append(Chunk(start, end, first, stop))
         if stop == content.stop:
             break
@@ -96,35 +140,39 @@ def plan_chunks(
     return chunks
 
 
-def _starts_sentence(
-    text: str, offsets: list[tuple[int, int]], position: int, prompt_chars: int
-) -> bool:
-    """Whether the token at `position` begins a sentence: a line break before it, or a
-    sentence's closing mark and whitespace."""
-    before = offsets[position - 1][1] - prompt_chars
-    gap = text[before : offsets[position][0] - prompt_chars]
-    if "\n" in gap:
-        return True
-    return bool(gap) and gap.isspace() and before > 0 and text[before - 1] in SENTENCE_ENDS
+def _best_end(
+    text: str, offsets: list[tuple[int, int]], candidates: range, prompt_chars: int
+) -> int | None:
+    """The last candidate where a sentence begins, else the last where a word begins."""
+    word = None
+    for position in candidates:
+        before = offsets[position - 1][1] - prompt_chars
+        gap = text[before : offsets[position][0] - prompt_chars]
+        mark = text[before - 1] if before > 0 else ""
+        if "\n" in gap or mark in FULL_WIDTH_ENDS or (gap.isspace() and mark in SENTENCE_ENDS):
+            return position
+        if word is None and gap and gap.isspace():
+            word = position
+    return word
 
 
 def late_inputs(
-    documents: Sequence[Encoded], chunks: Sequence[list[Chunk]], limit: int
+    plans: Sequence[TextPlan], limit: int
 ) -> tuple[list[Encoded], tuple[LateDocument, ...]]:
     """Every text's windows, one after another, and how each text's chunks are pooled from
     them; a text without chunks (whitespace or special tokens alone) runs nothing."""
     inputs: list[Encoded] = []
-    plans = []
-    for document, own in zip(documents, chunks, strict=True):
-        if own:
-            windows, plan = late_windows(document, own, limit)
+    documents = []
+    for plan in plans:
+        if plan.chunks:
+            windows, document = late_windows(plan.document, plan.content, plan.chunks, limit)
             inputs += windows
-            plans.append(plan)
-    return inputs, tuple(plans)
+            documents.append(document)
+    return inputs, tuple(documents)
 
 
 def late_windows(
-    encoded: Encoded, chunks: list[Chunk], limit: int
+    encoded: Encoded, content: Content, chunks: list[Chunk], limit: int
 ) -> tuple[list[Encoded], LateDocument]:
     """The encoder inputs for a late-chunked text: the text whole where its tokens fit in
     `limit`, else overlapping windows of its content, each with the leading tokens (special
@@ -135,7 +183,6 @@ def late_windows(
     total = len(encoded.ids)
     if total <= limit:
         return [encoded], LateDocument(((0, total),), spans)
-    content = Content.of(encoded)
     head, tail = encoded.ids[: content.first], encoded.ids[content.stop :]
     width = limit - len(head) - len(tail)  # content tokens per window
     # A quarter of each window overlaps the next: its tokens keep that much context.

@@ -19,11 +19,11 @@ async def get_service(request: Request) -> EmbeddingService:
     return service
 
 
-async def get_services(request: Request) -> list[EmbeddingService]:
+async def get_models(request: Request) -> ServedModels:
     """The model a `/models/{name}/` path chose, else every served model."""
     named: EmbeddingService | None = getattr(request.state, "service", None)
     models: ServedModels = request.app.state.models
-    return [named] if named is not None else list(models.values())
+    return models.only(named) if named is not None else models
 
 
 async def disconnect_watch(request: Request) -> DisconnectWatch:
@@ -31,5 +31,5 @@ async def disconnect_watch(request: Request) -> DisconnectWatch:
 
 
 ServiceDep = Annotated[EmbeddingService, Depends(get_service)]
-ServicesDep = Annotated[list[EmbeddingService], Depends(get_services)]
+ModelsDep = Annotated[ServedModels, Depends(get_models)]
 DisconnectDep = Annotated[DisconnectWatch, Depends(disconnect_watch)]

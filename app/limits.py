@@ -41,21 +41,6 @@ class Limits:
                         f"input {index} has {len(text)} characters, more than the limit of {chars}"
                     )
 
-    def check_chunks(self, counts: Sequence[int]) -> None:
-        """413 for a text cut into too many chunks, or a request of too many in all."""
-        per_input = self.settings.max_chunks_per_input
-        for index, count in enumerate(counts):
-            if count > per_input:
-                raise PayloadTooLargeError(
-                    f"input {index} makes {count} chunks, more than the limit of {per_input}; "
-                    "send a shorter text or ask for larger chunks"
-                )
-        per_request = self.settings.max_chunks_per_request
-        if sum(counts) > per_request:
-            raise PayloadTooLargeError(
-                f"the request makes {sum(counts)} chunks, more than the limit of {per_request}"
-            )
-
     def check_dimensions(self, dimensions: int | None, info: ModelInfo) -> None:
         if dimensions is not None and not 1 <= dimensions <= info.dimensions:
             raise ValidationFailedError(
@@ -116,17 +101,18 @@ class Limits:
 
 
 def chunk_size(asked: int | None, overlap: int, room: int) -> tuple[int, int]:
-    """Tokens per chunk and of overlap: a chunk holds at most what the model takes beside its
-    special tokens and the prompt (`room`), so that each chunk can be embedded alone, and by
-    default DEFAULT_CHUNK_TOKENS; the overlap stays below the size. 422 for an overlap not
-    below the size asked."""
-    size = min(asked or DEFAULT_CHUNK_TOKENS, room)
-    if overlap >= (asked or size):
+    """Tokens per chunk and of overlap. A chunk holds at most what the model takes beside
+    its special tokens and the prompt (`room`), so that each chunk can be embedded alone, and
+    by default DEFAULT_CHUNK_TOKENS; where the size asked is cut to that, the overlap keeps
+    its share of the chunk. 422 for an overlap not below the size asked."""
+    wanted = asked or DEFAULT_CHUNK_TOKENS
+    if overlap >= wanted:
         raise ValidationFailedError(
-            f"chunking.overlap {overlap} must be below the chunk size {asked or size}",
+            f"chunking.overlap {overlap} must be below the chunk size {wanted}",
             param="chunking.overlap",
         )
-    return size, min(overlap, size - 1)
+    size = min(wanted, room)
+    return size, overlap * size // wanted
 
 
 def resolve_indices(asked: Sequence[int] | None, count: int, what: str) -> list[int]:

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # Routers whose routes need the API key when one is set (and /info). Probes, metrics, the
 # docs and the pages stay open: orchestrators and people call them without a key.
 PROTECTED_ROUTERS = (tei, openai, cohere, encode, classify, sparse)
-PROTECTED_ROUTES = frozenset({("GET", "/info")})
+PROTECTED_ROUTES = frozenset({("GET", "/info"), ("POST", "/")})
 # Paths the concurrency limit never counts: probes must answer under any load.
 UNLIMITED_PATHS = frozenset({"/health", "/live", "/ping", "/metrics"})
 
@@ -68,15 +68,19 @@ def create_app(
     if engine is None:
         from app.engine.local import LocalEngine
 
-        engines = {model.name: LocalEngine(settings, model, metrics) for model in served}
+        engines = {
+            model.name: LocalEngine(settings.for_model(model), model, metrics) for model in served
+        }
     elif isinstance(engine, Mapping):
         engines = engine
     else:
         engines = {served[0].name: engine}
     models = ServedModels(
         {
-            name: EmbeddingService(settings, metrics.of(name), model_engine)
-            for name, model_engine in engines.items()
+            model.name: EmbeddingService(
+                settings.for_model(model), metrics.of(model.name), engines[model.name]
+            )
+            for model in served
         }
     )
     service = models.default

@@ -29,6 +29,7 @@ from app.errors import (
     ServiceError,
     SlowBodyError,
     UnauthorizedError,
+    UnknownModelError,
 )
 from app.handlers import render_error
 from app.metrics import Metrics
@@ -108,8 +109,13 @@ class ServiceMiddleware:
 
         admitted = False
         try:
-            # A path under /models/{name}/ is that model's route (app/models.py).
-            named, path = self.models.route(path)
+            # A path under /models/{name}/ is that model's route (app/models.py); the served
+            # names are told only to a client with the key.
+            try:
+                named, path = self.models.route(path)
+            except UnknownModelError:
+                self._require_key(headers)
+                raise
             route = path if path in self.routes else "other"
             if path not in self.unlimited:
                 self._admit()
@@ -167,7 +173,11 @@ class ServiceMiddleware:
 
     def _check_key(self, method: str, path: str, headers: dict[bytes, bytes]) -> None:
         """Inference and /info need `Authorization: Bearer <key>` when an API key is set."""
-        if self.api_key is None or (method, path) not in self.protected:
+        if (method, path) in self.protected:
+            self._require_key(headers)
+
+    def _require_key(self, headers: dict[bytes, bytes]) -> None:
+        if self.api_key is None:
             return
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.api_key):

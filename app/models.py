@@ -9,6 +9,7 @@ defaults to); with several, it must name one.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Mapping
 
 from pydantic import BaseModel
@@ -67,6 +68,12 @@ class ServedModels(Mapping[str, EmbeddingService]):
             return self[asked]
         return self.default
 
+    def only(self, service: EmbeddingService) -> ServedModels:
+        """The one model a `/models/{name}/` path chose, as a set of one."""
+        name = next(name for name, each in self._services.items() if each is service)
+        return ServedModels({name: service})
+
+    # Readiness, liveness and the drain, over every model -----------------------------------
     @property
     def ready(self) -> bool:
         return all(service.ready for service in self.values())
@@ -75,9 +82,30 @@ class ServedModels(Mapping[str, EmbeddingService]):
         for name, service in self.items():
             if not service.ready:
                 reason = service.not_ready_reason()
-                return reason if len(self) == 1 else f"model {name!r}: {reason}"
+                return reason if len(self) == 1 else f"model {name}: {reason}"
         return ""
 
     @property
     def broken(self) -> bool:
         return any(service.broken for service in self.values())
+
+    @property
+    def stopping(self) -> bool:
+        return any(service.stopping for service in self.values())
+
+    @property
+    def inflight(self) -> int:
+        return sum(service.inflight for service in self.values())
+
+    def begin_stop(self) -> None:
+        for service in self.values():
+            service.begin_stop()
+
+    def begin_drain(self) -> None:
+        for service in self.values():
+            service.begin_drain()
+
+    async def wait_idle(self, grace: float) -> bool:
+        """Every model's accepted requests done within `grace` seconds."""
+        waits = [service.wait_idle(grace) for service in self.values()]
+        return all(await asyncio.gather(*waits))

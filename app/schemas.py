@@ -478,7 +478,7 @@ class ModelList(BaseModel):
 class OpenAIEmbedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | list[int] | str
+    embedding: list[float] | list[int]
 
 
 class Usage(BaseModel):
@@ -576,7 +576,7 @@ class ChunkVector(BaseModel):
     start: int = Field(description="The chunk's first character in the text as sent.")
     end: int = Field(description="One past its last character.")
     tokens: int = Field(description="The text's tokens in the chunk.")
-    embedding: list[float] | list[int] | str
+    embedding: list[float] | list[int]
 
 
 class EncodeRequest(TruncatingRequest):

@@ -24,7 +24,7 @@ from app.balance import ConnectionBalance
 from app.engine.protocol import Engine
 from app.main import create_app
 from app.metrics import Metrics
-from app.service import EmbeddingService
+from app.models import ServedModels
 from app.settings import Settings
 
 if TYPE_CHECKING:
@@ -43,14 +43,14 @@ class DrainingServer(uvicorn.Server):
     def __init__(
         self,
         config: uvicorn.Config,
-        service: EmbeddingService,
+        models: ServedModels,
         delay: float,
         grace: float,
         balance: ConnectionBalance | None = None,
         grpc: GrpcServer | None = None,
     ) -> None:
         super().__init__(config)
-        self.service = service
+        self.models = models
         self.balance = balance
         self.grpc = grpc  # tei.v1 on its own port, drained with the HTTP server
         self.delay = delay
@@ -85,16 +85,16 @@ class DrainingServer(uvicorn.Server):
         if self._loop is None:  # before start-up finished: nothing to drain
             super().handle_exit(sig, frame)
             return
-        if self.service.stopping:
+        if self.models.stopping:
             # uvicorn would start another graceful wait; an operator who signals twice
             # wants the process gone now.
             log.warning(
                 "second signal during the drain: exiting now, %d requests in flight",
-                self.service.inflight,
+                self.models.inflight,
             )
             logging.shutdown()
             os._exit(128 + sig)
-        self.service.begin_stop()
+        self.models.begin_stop()
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
@@ -102,14 +102,14 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         await asyncio.sleep(self.delay)
-        self.service.begin_drain()
+        self.models.begin_drain()
         # gRPC takes no new calls from now on; its calls in flight get the same grace.
         grpc = asyncio.ensure_future(self.grpc.drain(self.grace)) if self.grpc else None
-        if not await self.service.wait_idle(self.grace):
+        if not await self.models.wait_idle(self.grace):
             log.warning(
                 "grace period of %s s over with %d requests in flight",
                 self.grace,
-                self.service.inflight,
+                self.models.inflight,
             )
         if grpc is not None:
             await grpc
@@ -162,7 +162,7 @@ def serve(
         limit_concurrency=settings.max_connections + 1,
     )
     server = DrainingServer(
-        config, app.state.service, settings.drain_delay, settings.shutdown_grace, balance, grpc
+        config, app.state.models, settings.drain_delay, settings.shutdown_grace, balance, grpc
     )
     server.run(sockets=[sock] if sock is not None else None)
     return server.exit_code

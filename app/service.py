@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from starlette.types import Receive
 
-from app.chunking import Chunk, late_inputs, plan_texts
+from app.chunking import Chunk, TextPlan, late_inputs, plan_texts
 from app.engine.protocol import Engine, ItemResult, Pending, Wants
 from app.errors import (
     ClientDisconnectedError,
@@ -41,6 +41,9 @@ from model.vectors import FloatArray
 
 log = logging.getLogger(__name__)
 
+# Pooling modes that read one token (the first, the last): late chunking cannot pool a chunk
+# by them.
+TOKEN_POOLING = frozenset({"cls", "lasttoken"})
 # Seconds a request waits before its client is watched for a disconnect (see `Watch`).
 WATCH_AFTER = 0.05
 # Makes a coroutine that completes when the client goes away.
@@ -303,23 +306,35 @@ class EmbeddingService:
                     param="input",
                 )
             self.limits.check_dimensions(options.dimensions, info)
+            if chunking.mode == "late" and (pooled := TOKEN_POOLING.intersection(info.pooling)):
+                raise ValidationFailedError(
+                    f"late chunking pools each chunk's token vectors; this model pools by "
+                    f"{', '.join(sorted(pooled))}, which reads one token, not a chunk: use "
+                    "mode independent",
+                    param="chunking.mode",
+                )
             self.engine.check_room(deadline - time.perf_counter())
+            prompt_chars = len(codec.prompt(options.prompt_name))
+            most = (self.settings.max_chunks_per_input, self.settings.max_chunks_per_request)
+
+            def plan(documents: list[Encoded]) -> list[TextPlan]:
+                return plan_texts(
+                    documents, texts, prompt_chars, chunking, info.max_input_tokens, most
+                )
+
             try:
-                documents, tokenization = await self.tokenization.whole(
-                    codec, texts, options.prompt_name, deadline
+                plans, tokenization = await self.tokenization.whole(
+                    codec, texts, options.prompt_name, deadline, plan
                 )
             except TimeoutError as exc:
                 raise self._deadline_error() from exc
-            prompt_chars = len(codec.prompt(options.prompt_name))
-            chunks = plan_texts(documents, texts, prompt_chars, chunking, info.max_input_tokens)
-            self.limits.check_chunks([len(own) for own in chunks])
             wants = Wants(True, options.normalize, options.dimensions)
             encoded: list[Encoded] = []
             if chunking.mode == "independent":
                 pieces = [
                     text[c.start : c.end]
-                    for text, own in zip(texts, chunks, strict=True)
-                    for c in own
+                    for text, plan_of_text in zip(texts, plans, strict=True)
+                    for c in plan_of_text.chunks
                 ]
                 if pieces:
                     encoded, seconds = await self.tokenization.run(
@@ -327,7 +342,7 @@ class EmbeddingService:
                     )
                     tokenization += seconds
             else:
-                encoded, late = late_inputs(documents, chunks, info.max_input_tokens)
+                encoded, late = late_inputs(plans, info.max_input_tokens)
                 wants = replace(wants, late=late)
             tokens = self.limits.check_tokens(encoded, options, None, info)
             items: list[ItemResult] = []
@@ -338,11 +353,15 @@ class EmbeddingService:
             self._leave()
         self.metrics.inputs.inc(len(encoded))
         self.metrics.tokens.inc(tokens)
+        for e in encoded:
+            self.metrics.input_tokens.observe(len(e.ids))
+        chunks = [plan.chunks for plan in plans]
         vectors = per_text(
             [len(own) for own in chunks], items, options.dimensions or info.dimensions
         )
         timings = Timings(started, tokenization, queued, inference)
         chars = sum(map(len, texts))
+        documents = [plan.document for plan in plans]
         return ChunkedResult(info, documents, chunks, vectors, timings, tokens, chars)
 
     async def similarity(

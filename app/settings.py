@@ -6,31 +6,82 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from model import DEFAULT_MODEL_ID
 from model.cpus import available_cpus
 from model.info import Task
 
+# What a model's name cannot hold: it is a path segment of its routes.
+UNROUTABLE = re.compile(r"[\s?#%]")
+
+
+# The settings a models file may set per model; the others are the server's.
+PER_MODEL_SETTINGS = frozenset(
+    {
+        "task",
+        "dtype",
+        "calibration_file",
+        "max_input_tokens",
+        "max_batch_tokens",
+        "max_batch_inputs",
+        "batch_wait_ms",
+        "max_inputs_per_request",
+        "max_input_chars",
+        "max_request_tokens",
+        "max_token_values",
+        "max_attention_values",
+        "max_chunks_per_input",
+        "max_chunks_per_request",
+        "request_timeout",
+        "max_queue_wait",
+        "auto_truncate",
+        "cuda_graphs",
+        "prepack",
+    }
+)
+
 
 @dataclass(frozen=True)
 class ServedModel:
-    """One served model: the name requests choose it by, and where it comes from."""
+    """One served model: the name requests choose it by, where it comes from, and the
+    settings it has of its own (from a models file)."""
 
     name: str
     model_id: str  # a folder or an installed package's id
+    own: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def from_entry(cls, entry: object, where: str) -> ServedModel:
+        """One entry of a models file: {"name", "model_id", and per-model settings}."""
+        if not isinstance(entry, dict) or not isinstance(entry.get("model_id"), str):
+            raise ValueError(f"{where}: each model is an object with a model_id")
+        own = {k: v for k, v in entry.items() if k not in ("name", "model_id")}
+        if unknown := sorted(set(own) - PER_MODEL_SETTINGS):
+            raise ValueError(
+                f"{where}: {', '.join(unknown)} cannot be set per model; a model may set "
+                f"{', '.join(sorted(PER_MODEL_SETTINGS))}"
+            )
+        name = entry.get("name", entry["model_id"])
+        spec = cls.parse(f"{name}={entry['model_id']}")
+        return cls(spec.name, spec.model_id, tuple(sorted(own.items())))
 
     @classmethod
     def parse(cls, spec: str) -> ServedModel:
         """`name=folder`, or an id alone (named by itself)."""
         name, sign, model_id = spec.partition("=")
         if not sign:
-            return cls(spec, spec)
+            name = model_id = spec
         if not name or not model_id:
             raise ValueError(f"{spec!r}: a named model is name=folder")
+        if UNROUTABLE.search(name):
+            raise ValueError(
+                f"{name!r}: a model's name is part of its routes' paths (/models/{{name}}/), "
+                "so it takes no whitespace, '?', '#' or '%'; name it with name=folder"
+            )
         return cls(name, model_id)
 
 
@@ -51,6 +102,14 @@ class Settings(BaseSettings):
             "A local checkpoint folder, or the id of an installed model package; given more "
             "than once, one server serves them all, each under its name: `name=folder`, or "
             "the id as given. The first is the default model of the routes that name none."
+        ),
+    )
+    models_file: Path | None = Field(
+        None,
+        description=(
+            'A JSON list of the models to serve instead of `model_id`, each {"name", '
+            '"model_id"} and any of the per-model settings (task, dtype, the limits, '
+            "request_timeout, max_queue_wait, ...: docs/models.md); the rest are the server's."
         ),
     )
     memory_budget_mb: int | None = Field(
@@ -252,11 +311,31 @@ class Settings(BaseSettings):
 
     def models(self) -> list[ServedModel]:
         """The served models, in order, each with its name."""
-        return [ServedModel.parse(spec) for spec in self.model_id]
+        if self.models_file is None:
+            return [ServedModel.parse(spec) for spec in self.model_id]
+        try:
+            entries = json.loads(self.models_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"models_file {self.models_file}: {exc}") from exc
+        if not isinstance(entries, list) or not entries:
+            raise ValueError(f"models_file {self.models_file}: a non-empty JSON list of models")
+        return [
+            ServedModel.from_entry(entry, f"models_file {self.models_file}, model {index}")
+            for index, entry in enumerate(entries)
+        ]
+
+    def for_model(self, served: ServedModel) -> Settings:
+        """These settings with the model's own (validated as the server's are)."""
+        if not served.own:
+            return self
+        own = dict(served.own)
+        server = self.model_dump(exclude={"model_id", "models_file"})
+        checked = type(self).model_validate({**server, **own})
+        return self.model_copy(update={key: getattr(checked, key) for key in own})
 
     def engine_count(self) -> int:
         """Engines in all: one per device for each model."""
-        return len(self.devices) * len(self.model_id)
+        return len(self.devices) * len(self.models())
 
     def engine_threads(self) -> int:
         """Torch threads per engine: `threads`, or the CPUs this process may use over the
@@ -285,7 +364,7 @@ class Settings(BaseSettings):
         or more CPUs (measured best at every load on two cores, docs/benchmarks.md); one where
         `threads` leaves no room for two, or one process is asked for."""
         devices = found
-        if self.devices == ["auto"] and found == ["cpu"]:
+        if self.devices == ["auto"] and found == ["cpu"] and len(self.models()) == 1:
             cpus = available_cpus()
             room = cpus >= 2 and (self.threads is None or 2 * self.threads <= cpus)
             if room and self.placement != "in-process":
@@ -313,6 +392,25 @@ class Settings(BaseSettings):
                 "placement in-process runs one engine behind one front end: name one device "
                 "and no more front ends, or choose placement split"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _models_from_one_place(self) -> Settings:
+        if self.models_file is not None:
+            if "model_id" in self.model_fields_set:
+                raise ValueError("name the models with model_id or in models_file, not both")
+            served = self.models()
+            names = [each.name for each in served]
+            if len(set(names)) < len(names):
+                raise ValueError(f"models_file {self.models_file}: two models named alike")
+            for each in served:  # each model's own settings, checked now rather than at load
+                try:
+                    self.for_model(each)
+                except ValidationError as exc:
+                    problems = "; ".join(
+                        f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+                    )
+                    raise ValueError(f"model {each.name}: {problems}") from exc
         return self
 
     @field_validator("model_id", mode="before")

@@ -129,7 +129,7 @@ def supervise(settings: Settings) -> int:
     os.environ[MULTIPROCESS_DIR_VARIABLE] = str(metrics_dir)
     context = multiprocessing.get_context("spawn")
     devices = settings.devices
-    models = len(settings.model_id)
+    models = len(settings.models())
     cpu_engines = sum(1 for device in devices if not device.startswith("cuda")) * models
     engines = settings.engine_count()
     shared = Shared(
@@ -342,7 +342,14 @@ def run_engine(
     weights = WeightStore(folder) if folder is not None else None
     board = EngineBoard(shared.board_path(model), shared.engines)
     engine = EngineProcess(
-        settings, served, index, device, shared.model_dir(model), board, cores, weights
+        settings.for_model(served),
+        served,
+        index,
+        device,
+        shared.model_dir(model),
+        board,
+        cores,
+        weights,
     )
     raise SystemExit(engine.run(ready))
 
@@ -353,15 +360,14 @@ def run_frontend(settings: Settings, cards: list[ModelCard], index: int, shared:
     from app.engine.remote import RemoteEngine
     from app.server import serve
 
-    admission = Admission(settings.request_timeout, settings.max_queue_wait)
-    engines = {
-        served.name: RemoteEngine(
+    engines = {}
+    for model, (served, card) in enumerate(zip(settings.models(), cards, strict=True)):
+        own = settings.for_model(served)
+        engines[served.name] = RemoteEngine(
             card,
             shared.model_dir(model),
             EngineBoard(shared.board_path(model), shared.engines),
-            admission,
+            Admission(own.request_timeout, own.max_queue_wait),
         )
-        for model, (served, card) in enumerate(zip(settings.models(), cards, strict=True))
-    }
     balance = ConnectionBalance(shared.counts, index)
     raise SystemExit(serve(settings, engines, bind(settings, listen=True), balance))

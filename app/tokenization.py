@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from app.errors import ValidationFailedError
 from app.metrics import ModelMetrics
@@ -30,6 +31,7 @@ TOKEN_ID_HINT = (
 )
 
 Input = RawInput | TextPair
+Done = TypeVar("Done")
 
 
 def characters(item: Input) -> int:
@@ -102,18 +104,24 @@ class Tokenization:
         return await self._timed(encode, sum(characters(item) for item in inputs), deadline)
 
     async def whole(
-        self, codec: TextCodec, texts: Sequence[str], prompt_name: str | None, deadline: float
-    ) -> tuple[list[Encoded], float]:
-        """Each text's every token, never truncated: documents to be cut into chunks."""
+        self,
+        codec: TextCodec,
+        texts: Sequence[str],
+        prompt_name: str | None,
+        deadline: float,
+        then: Callable[[list[Encoded]], Done],
+    ) -> tuple[Done, float]:
+        """Each text's every token, never truncated (documents to be cut into chunks), and
+        what `then` makes of them, in the same hop off the event loop."""
 
-        def encode() -> list[Encoded]:
-            return [codec.tokenize_whole(text, prompt_name) for text in texts]
+        def encode() -> Done:
+            return then([codec.tokenize_whole(text, prompt_name) for text in texts])
 
         return await self._timed(encode, sum(map(len, texts)), deadline)
 
     async def _timed(
-        self, encode: Callable[[], list[Encoded]], chars: int, deadline: float | None
-    ) -> tuple[list[Encoded], float]:
+        self, encode: Callable[[], Done], chars: int, deadline: float | None
+    ) -> tuple[Done, float]:
         started = time.perf_counter()
         try:
             if chars < INLINE_CHARS:

@@ -17,9 +17,14 @@ _LENGTH = struct.Struct("<Q")
 
 
 def weight_count(folder: Path) -> int:
-    """The weights in every safetensors file of a model folder and its module folders."""
+    """The weights in every safetensors file of a model folder and its module folders; a
+    folder in PyTorch's pickle format counted by its files' size, as float32."""
+    safetensors = sorted([*folder.glob("*.safetensors"), *folder.glob("*/*.safetensors")])
+    if not safetensors:
+        pickles = [*folder.glob("*.bin"), *folder.glob("*/*.bin")]
+        return sum(path.stat().st_size for path in pickles) // 4
     total = 0
-    for path in sorted([*folder.glob("*.safetensors"), *folder.glob("*/*.safetensors")]):
+    for path in safetensors:
         with path.open("rb") as file:
             (length,) = _LENGTH.unpack(file.read(_LENGTH.size))
             header = json.loads(file.read(length))

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from app.dependencies import DisconnectDep, ServiceDep, ServicesDep
+from app.dependencies import DisconnectDep, ModelsDep, ServiceDep
 from app.responses import JSONResponse, base64_floats, timing_headers, usage_payload
 from app.routes.errors import error_responses
 from app.schemas import ModelList, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
@@ -61,7 +61,7 @@ router.add_api_route(
 @router.get(
     "/v1/models", response_model=ModelList, summary="The served models, as OpenAI lists them"
 )
-async def list_models(services: ServicesDep) -> Response:
+async def list_models(models: ModelsDep) -> Response:
     cards = [
         {
             "id": service.info.model_id,
@@ -69,6 +69,6 @@ async def list_models(services: ServicesDep) -> Response:
             "created": service.loaded_at,
             "owned_by": OWNER,
         }
-        for service in services
+        for service in models.values()
     ]
     return JSONResponse({"object": "list", "data": cards})

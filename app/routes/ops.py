@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
-from app.dependencies import ServiceDep, ServicesDep
+from app.dependencies import ModelsDep, ServiceDep
 from app.errors import UnavailableError
 from app.handlers import error_body
 from app.metrics import Metrics
@@ -98,20 +98,11 @@ async def info(service: ServiceDep) -> JSONResponse:
     responses={503: {"model": ErrorResponse, "description": "Not ready to serve"}},
     summary="Readiness: model loaded and warmed up, worker alive, not draining",
 )
-async def health(services: ServicesDep) -> JSONResponse:
+async def health(models: ModelsDep) -> JSONResponse:
     """Every served model (or the one under /models/{name}/) ready."""
-    for service in services:
-        if not service.ready:
-            return not_ready(reason_of(service, services))
+    if not models.ready:
+        return not_ready(models.not_ready_reason())
     return JSONResponse({"status": "ok"})
-
-
-def reason_of(service: EmbeddingService, services: list[EmbeddingService]) -> str:
-    """Why `service` cannot serve, naming its model where there are several."""
-    reason = service.not_ready_reason()
-    if len(services) == 1 or service.codec is None:
-        return reason
-    return f"model {service.info.model_id}: {reason}"
 
 
 @router.get(
@@ -120,8 +111,8 @@ def reason_of(service: EmbeddingService, services: list[EmbeddingService]) -> st
     responses={503: {"model": ErrorResponse, "description": "Not ready to serve"}},
     summary="text-embeddings-inference's name for /health",
 )
-async def ping(services: ServicesDep) -> JSONResponse:
-    return await health(services)
+async def ping(models: ModelsDep) -> JSONResponse:
+    return await health(models)
 
 
 @router.get(
@@ -130,9 +121,9 @@ async def ping(services: ServicesDep) -> JSONResponse:
     responses={503: {"model": ErrorResponse, "description": "The batch worker has died"}},
     summary="Liveness: the event loop answers and the batch worker has not died",
 )
-async def live(services: ServicesDep) -> JSONResponse:
+async def live(models: ModelsDep) -> JSONResponse:
     # Never touches the model; fails only when a restart is the one way back.
-    if any(service.broken for service in services):
+    if models.broken:
         return not_ready("the batch worker has stopped; the process needs a restart")
     return JSONResponse({"status": "ok"})
 

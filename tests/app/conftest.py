@@ -73,12 +73,13 @@ def engine_processes(settings: Settings) -> Iterator[dict[str, RemoteEngine]]:
                 sending.close()
                 processes.append(process)
                 links.append(receiving)
-            admission = Admission(settings.request_timeout, settings.max_queue_wait)
             engines = {}
             for model, (each, link) in enumerate(zip(served, links, strict=True)):
                 kind, card = link.recv()
                 assert kind == "ready", card
                 board = EngineBoard(shared.board_path(model), 1)
+                own = settings.for_model(each)
+                admission = Admission(own.request_timeout, own.max_queue_wait)
                 engines[each.name] = RemoteEngine(card, shared.model_dir(model), board, admission)
             yield engines
         finally:

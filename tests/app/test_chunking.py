@@ -6,6 +6,7 @@ answered within the limits or refused with 413."""
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,15 @@ import torch
 import transformers
 from sentence_transformers.util.quantization import quantize_embeddings
 
-from app.chunking import Content, late_windows
-from model.tokenizer import Encoded
+from app.chunking import Chunk, Content, late_windows, plan_chunks
+from model.tokenizer import Encoded, TextTokenizer
 from tests.app.conftest import Placement, make_settings, running_app
-from tests.helpers import tiny_tokenizer
+from tests.helpers import (
+    TINY_VOCAB,
+    make_random_checkpoint,
+    tiny_tokenizer,
+    write_sentence_transformers_files,
+)
 from tests.model.test_parity_transformers import save_reference
 from tests.task_checkpoints import labelled, save_task_model
 
@@ -63,15 +69,40 @@ async def test_chunks_cover_the_text_within_their_size(tiny_checkpoint: Path) ->
 def test_late_windows_lay_the_whole_text_end_to_end(prompt_length: int) -> None:
     ids = [101, *range(prompt_length), *range(1000, 1300), 102]
     special = [True] + [False] * (len(ids) - 2) + [True]
-    encoded = Encoded(ids, [], None, special, False, prompt_length + 1 if prompt_length else 0)
-    windows, plan = late_windows(encoded, [], 64)
+    # The prompt's tokens cover characters 0-3 (one each), the text's the ones after.
+    offsets = [(0, 0), *[(i, i + 1) for i in range(len(ids) - 2)], (0, 0)]
+    encoded = Encoded(ids, [], offsets, special, False, prompt_length + 1 if prompt_length else 0)
+    content = Content.of(encoded, prompt_chars=prompt_length)
+    assert content.first == 1 + prompt_length and content.stop == len(ids) - 1
+    windows, plan = late_windows(encoded, content, [], 64)
     assert all(len(window.ids) == 64 for window in windows)
     laid = [i for window, (a, b) in zip(windows, plan.keeps, strict=True) for i in window.ids[a:b]]
     assert laid == ids
-    content = Content.of(encoded)
     for window in windows:  # each window starts with the prompt and ends with [SEP]
         assert window.ids[: content.first] == ids[: content.first]
         assert window.ids[-1] == 102
+
+
+def chunks_of(text: str, size: int, overlap: int = 0) -> list[Chunk]:
+    encoded = TextTokenizer(tiny_tokenizer().to_str(), 48, len(TINY_VOCAB)).encode_whole(text)
+    content = Content.of(encoded, 0)
+    return plan_chunks(encoded, content, text, 0, (size, overlap), 1000)
+
+
+def test_a_chunk_ends_at_a_sentence_else_at_a_word() -> None:
+    chinese = "你好。我们走吧。好的"  # no space after a full-width full stop
+    assert [(c.start, c.end) for c in chunks_of(chinese, 5)] == [(0, 3), (3, 8), (8, 10)]
+    words = "abc abc abc abc abc"  # each word three WordPiece tokens: a ##b ##c
+    assert [(c.start, c.end) for c in chunks_of(words, 7)] == [(0, 7), (8, 15), (16, 19)]
+
+
+def test_a_large_overlap_still_moves_on() -> None:
+    """An overlap near the size gives many chunks, never two of the same start."""
+    text = " ".join(SENTENCES * 3)
+    chunks = chunks_of(text, 20, 15)
+    starts = [chunk.first for chunk in chunks]
+    assert starts == sorted(set(starts))
+    assert all(chunk.tokens <= 20 for chunk in chunks)
 
 
 async def test_independent_equals_embed_of_each_chunk_text(
@@ -185,7 +216,7 @@ async def test_a_document_of_100000_characters_is_answered_or_refused_with_413(
     async with running_app(make_settings(tiny_checkpoint), placement) as (_, client):
         response = await client.post("/embed_chunks", json={"inputs": document})
         assert response.status_code == 413
-        assert "chunks, more than the limit of 512" in response.json()["error"]
+        assert "makes more than 512 chunks, the limit per input" in response.json()["error"]
         assert (await client.post("/embed", json={"inputs": "hello"})).status_code == 200
 
 
@@ -219,7 +250,12 @@ async def test_chunking_refuses_what_it_cannot_do(tiny_checkpoint: Path) -> None
         ),
         ({"inputs": "hello", "token_embeddings": True}, "/encode", 422, "token_embeddings"),
         ({"inputs": ""}, "/embed_chunks", 400, "empty"),
-        ({"inputs": [DOCUMENT] * 2, "chunking": {"size": 8}}, "/embed_chunks", 413, "limit of 10"),
+        (
+            {"inputs": [DOCUMENT] * 2, "chunking": {"size": 8}},
+            "/embed_chunks",
+            413,
+            "more than 10 chunks, the limit per request",
+        ),
         ({"inputs": "hello", "chunking": {"mode": "fast"}}, "/embed_chunks", 422, "mode"),
     ]
     async with running_app(settings) as (_, client):
@@ -244,13 +280,66 @@ async def test_a_classifier_refuses_chunking_with_424(tmp_path: Path) -> None:
 
 
 async def test_a_chunk_holds_no_more_than_the_model_takes(tiny_checkpoint: Path) -> None:
-    """A size over the model's limit is capped there (each chunk can be embedded alone); a
-    text with no token of its own (whitespace, control characters) has no chunk."""
+    """A size over the model's limit is capped there (each chunk can be embedded alone), the
+    overlap keeping its share; a text with no token of its own (whitespace, control
+    characters) has no chunk."""
     async with running_app(make_settings(tiny_checkpoint)) as (_, client):
         body = {"inputs": [DOCUMENT, " \u0005 "], "chunking": {"size": 500, "overlap": 100}}
         answer = (await client.post("/embed_chunks", json=body)).json()
         late = {"mode": "late"}
         empty = (await client.post("/embed_chunks", json={"inputs": "\t", "chunking": late})).json()
-    assert max(chunk["tokens"] for chunk in answer[0]) == 48 - 2  # [CLS] and [SEP]
+    tokens = [chunk["tokens"] for chunk in answer[0]]
+    assert max(tokens) <= 48 - 2  # [CLS] and [SEP]
+    assert len(tokens) < 2 * len(tiny_tokenizer().encode(DOCUMENT).ids) / 46 + 2
     assert answer[1] == []
     assert empty == [[]]
+
+
+async def test_chunks_with_a_prompt_count_from_the_text_as_sent(tmp_path: Path) -> None:
+    """The prompt runs before each chunk (independent) or the whole text (late), and the
+    offsets count in the text as sent."""
+    folder = tmp_path / "prompted"
+    make_random_checkpoint(folder)
+    (folder / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"query": "the quick "}})
+    )
+    text = " ".join(SENTENCES)
+    async with running_app(make_settings(folder)) as (_, client):
+        for mode in ("independent", "late"):
+            body = {"inputs": text, "prompt_name": "query", "chunking": {"mode": mode, "size": 8}}
+            chunks = (await client.post("/embed_chunks", json=body)).json()[0]
+            assert chunks[0]["start"] == 0 and chunks[-1]["end"] == len(text)
+            assert text[chunks[0]["start"] : chunks[0]["end"]].startswith("the quick brown")
+            if mode == "independent":
+                pieces = [text[c["start"] : c["end"]] for c in chunks]
+                embed = {"inputs": pieces, "prompt_name": "query"}
+                expected = np.array((await client.post("/embed", json=embed)).json())
+                got = np.array([c["embedding"] for c in chunks])
+                assert cosines(got, expected).min() >= COSINE
+
+
+async def test_late_chunks_are_cut_and_normalised_as_asked(tiny_checkpoint: Path) -> None:
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        body: dict[str, Any] = {"inputs": DOCUMENT, "chunking": {"size": 16}, "normalize": False}
+        whole = np.array(
+            [c["embedding"] for c in (await client.post("/embed_chunks", json=body)).json()[0]]
+        )
+        cut = (
+            await client.post("/embed_chunks", json={**body, "dimensions": 8, "normalize": True})
+        ).json()[0]
+    expected = whole[:, :8] / np.linalg.norm(whole[:, :8], axis=1, keepdims=True)
+    np.testing.assert_allclose(np.array([c["embedding"] for c in cut]), expected, atol=1e-6)
+    assert not np.allclose(np.linalg.norm(whole, axis=1), 1.0)
+
+
+async def test_late_chunking_refuses_a_model_that_pools_one_token(tmp_path: Path) -> None:
+    folder = tmp_path / "cls"
+    make_random_checkpoint(folder)
+    write_sentence_transformers_files(folder, pooling="cls")
+    async with running_app(make_settings(folder)) as (_, client):
+        late = await client.post("/embed_chunks", json={"inputs": DOCUMENT})
+        alone = await client.post(
+            "/embed_chunks", json={"inputs": DOCUMENT, "chunking": {"mode": "independent"}}
+        )
+    assert late.status_code == 422 and "pools by cls" in late.json()["error"]
+    assert alone.status_code == 200

@@ -6,6 +6,7 @@ with the name of a model that cannot load or fit the memory budget."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -200,7 +201,8 @@ def test_models_over_the_memory_budget_are_refused_by_name(folders: dict[str, Pa
     minilm = resolve_model_dir("sentence-transformers/all-MiniLM-L6-v2")
     assert weight_count(minilm) == 22_713_728
     served = {"minilm": minilm, "embedder": folders["embedder"]}
-    settings = make_settings(minilm, devices=["cpu"], dtype="float32")
+    specs = [f"{name}={folder}" for name, folder in served.items()]
+    settings = make_settings(minilm, model_id=specs, devices=["cpu"], dtype="float32")
     fits = settings.model_copy(update={"memory_budget_mb": 100})
     assert over_budget(fits, served) is None
     refusal = over_budget(settings.model_copy(update={"memory_budget_mb": 80}), served)
@@ -217,3 +219,84 @@ async def test_with_one_model_the_model_field_is_not_checked(tiny_checkpoint: Pa
             "/v1/embeddings", json={"input": "a", "model": "text-embedding-3-small"}
         )
     assert response.status_code == 200
+
+
+async def test_the_api_key_guards_every_model_and_their_names(folders: dict[str, Path]) -> None:
+    key = {"Authorization": "Bearer secret"}
+    async with running_app(several(folders, api_key="secret")) as (_, client):
+        refused = [
+            await client.post("/models/reranker/rerank", json={"query": "a", "texts": ["b"]}),
+            await client.post("/", json={"inputs": "a"}),
+            await client.post("/models/splade/", json={"inputs": "a"}),
+            await client.get("/models/reranker/info"),
+            await client.post("/models/nope/embed", json={"inputs": "a"}),
+        ]
+        unknown = await client.post("/models/nope/embed", json={"inputs": "a"}, headers=key)
+        served = await client.post("/models/splade/", json={"inputs": "a"}, headers=key)
+        probe = await client.get("/models/splade/health")
+    assert [response.status_code for response in refused] == [401] * 5
+    assert "embedder" not in refused[-1].text
+    assert unknown.status_code == 404 and "/models/embedder/" in unknown.text
+    assert served.status_code == 200
+    assert set(served.json()[0][0]) == {"index", "value"}  # SPLADE's main route, /embed_sparse
+    assert probe.status_code == 200
+
+
+async def test_readiness_and_the_drain_cover_every_model(folders: dict[str, Path]) -> None:
+    async with running_app(several(folders)) as (app, client):
+        models = app.state.models
+        models["splade"].warmed_up = False  # as while it loads
+        waiting = await client.get("/health")
+        assert waiting.status_code == 503
+        assert "model splade: the model is loading" in waiting.json()["error"]
+        assert (await client.get("/models/embedder/health")).status_code == 200
+        models["splade"].warmed_up = True
+        gate = GatedForward(models["reranker"])
+        gate.gate.clear()
+        held = asyncio.create_task(
+            client.post("/models/reranker/rerank", json={"query": "a", "texts": ["b"]})
+        )
+        await asyncio.to_thread(gate.entered.wait, 10)
+        models.begin_drain()
+        refused = await client.post("/models/splade/embed_sparse", json={"inputs": "a"})
+        assert not await models.wait_idle(0.05)  # the reranker's request is still running
+        gate.gate.set()
+        assert await models.wait_idle(10)
+        assert (await held).status_code == 200
+    assert refused.status_code == 503
+
+
+async def test_a_models_file_gives_each_model_its_own_settings(
+    placement: Placement, folders: dict[str, Path], tmp_path: Path
+) -> None:
+    models_file = tmp_path / "models.json"
+    entries = [
+        {"name": "embedder", "model_id": str(folders["embedder"]), "dtype": "bfloat16"},
+        {"name": "reranker", "model_id": str(folders["reranker"]), "max_inputs_per_request": 2},
+    ]
+    models_file.write_text(json.dumps(entries))
+    settings = Settings(models_file=models_file, devices=["cpu"], dtype="float32", threads=1)
+    assert [served.name for served in settings.models()] == ["embedder", "reranker"]
+    async with running_app(settings, placement) as (_, client):
+        embedder = (await client.get("/models/embedder/info")).json()
+        reranker = (await client.get("/models/reranker/info")).json()
+        three = {"query": "a", "texts": ["b", "c", "d"]}
+        refused = await client.post("/models/reranker/rerank", json=three)
+        accepted = await client.post("/models/embedder/embed", json={"inputs": ["b", "c", "d"]})
+    assert (embedder["dtype"], reranker["dtype"]) == ("bfloat16", "float32")
+    assert reranker["limits"]["max_inputs_per_request"] == 2
+    assert embedder["limits"]["max_inputs_per_request"] == 2048
+    assert refused.status_code == 413 and "limit of 2" in refused.json()["error"]
+    assert accepted.status_code == 200
+
+
+def test_a_models_file_refuses_what_a_model_cannot_set(tmp_path: Path) -> None:
+    models_file = tmp_path / "models.json"
+    models_file.write_text(json.dumps([{"model_id": "/a", "port": 9000}]))
+    with pytest.raises(ValueError, match="port cannot be set per model"):
+        Settings(models_file=models_file)
+    models_file.write_text(json.dumps([{"model_id": "/a", "max_queue_wait": 0}]))
+    with pytest.raises(ValueError, match="model /a: max_queue_wait"):
+        Settings(models_file=models_file)
+    with pytest.raises(ValueError, match="not both"):
+        Settings(models_file=models_file, model_id="/b")
