@@ -478,7 +478,7 @@ class ModelList(BaseModel):
 class OpenAIEmbedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | list[int]
+    embedding: list[float] | list[int] | str
 
 
 class Usage(BaseModel):

@@ -33,6 +33,7 @@ from app.params import ChunkOptions, EncodeOptions, RawInput
 from app.settings import Settings
 from app.tokenization import Input, Tokenization, characters
 from model.codec import TextCodec
+from model.errors import PromptError
 from model.info import AttentionSpec, ModelInfo
 from model.quantization import Calibration, CodeArray, Precision, quantize
 from model.similarity import similarity
@@ -314,7 +315,10 @@ class EmbeddingService:
                     param="chunking.mode",
                 )
             self.engine.check_room(deadline - time.perf_counter())
-            prompt_chars = len(codec.prompt(options.prompt_name))
+            try:
+                prompt_chars = len(codec.prompt(options.prompt_name))
+            except PromptError as exc:
+                raise ValidationFailedError(str(exc), param="prompt_name") from exc
             most = (self.settings.max_chunks_per_input, self.settings.max_chunks_per_request)
 
             def plan(documents: list[Encoded]) -> list[TextPlan]:

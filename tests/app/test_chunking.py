@@ -257,6 +257,7 @@ async def test_chunking_refuses_what_it_cannot_do(tiny_checkpoint: Path) -> None
             "more than 10 chunks, the limit per request",
         ),
         ({"inputs": "hello", "chunking": {"mode": "fast"}}, "/embed_chunks", 422, "mode"),
+        ({"inputs": "hello", "prompt_name": "nope"}, "/embed_chunks", 422, "unknown prompt_name"),
     ]
     async with running_app(settings) as (_, client):
         for body, path, status, message in cases:

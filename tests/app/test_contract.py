@@ -162,13 +162,15 @@ def run_schemathesis(app: FastAPI, *, headers: dict[str, str] | None = None) -> 
         return total <= limit
 
     def chunks_what_it_cannot(body: dict[str, Any]) -> bool:
-        """Chunking with an overlap not below the chunk size, or on /encode with more than
-        the pooled vector asked for."""
+        """Chunking with an overlap not below the chunk size, of token ids, or on /encode
+        with more than the pooled vector asked for."""
         chunking = body.get("chunking")
         if not isinstance(chunking, dict):
             return False
         if body.get("token_embeddings") or body.get("attention") or body.get("pooled") is False:
             return True
+        if any(not isinstance(item, str) for item in texts_in(body.get("inputs"))):
+            return True  # token ids: chunks are located by characters
         if not chunking.get("overlap"):
             return False
         size = chunking.get("size")
@@ -176,8 +178,8 @@ def run_schemathesis(app: FastAPI, *, headers: dict[str, str] | None = None) -> 
 
     def filter_case(context: HookContext, case: schemathesis.Case[Any]) -> bool:
         """The rules JSON Schema cannot state: with `truncate: false`, text over the model's
-        token limit is refused, and so is chunking with an overlap not below the chunk size
-        or with per-token vectors or attention maps (422s, documented; an overlap without a
+        token limit is refused, and so is chunking with an overlap not below the chunk size,
+        of token ids, or with per-token vectors or attention maps (422s, documented; an overlap without a
         size is left out, the default size being the model's). Such cases are not sent as
         valid."""
         body = case.body
