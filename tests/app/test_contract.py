@@ -179,9 +179,9 @@ def run_schemathesis(app: FastAPI, *, headers: dict[str, str] | None = None) -> 
     def filter_case(context: HookContext, case: schemathesis.Case[Any]) -> bool:
         """The rules JSON Schema cannot state: with `truncate: false`, text over the model's
         token limit is refused, and so is chunking with an overlap not below the chunk size,
-        of token ids, or with per-token vectors or attention maps (422s, documented; an overlap without a
-        size is left out, the default size being the model's). Such cases are not sent as
-        valid."""
+        of token ids, or with per-token vectors or attention maps (422s, documented; an
+        overlap without a size is left out, the default size being the model's). Such cases
+        are not sent as valid."""
         body = case.body
         if case.meta is None or not case.meta.generation.mode.is_positive:
             return True
