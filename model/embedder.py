@@ -43,6 +43,11 @@ class BatchOutput:
     attentions: list[dict[int, Tensor]] | None  # per input, layer -> (h, T_i, T_i) or (T_i, T_i)
 
 
+# Most values of one padded grid of chunk token vectors that late chunking pools at once
+# (64 MiB of float32): a text of many long chunks is pooled a group of chunks at a time.
+POOL_GRID_VALUES = 16 << 20
+
+
 class Embedder:
     """A loaded encoder with its tokenizer and what runs after it for the task (`info.task`):
     the embedding pipeline, or a classification or sparse head. Safe to call from one worker
@@ -205,20 +210,26 @@ class Embedder:
 
     def pool_spans(self, states: FloatArray, spans: Sequence[tuple[int, int]]) -> FloatArray:
         """Late chunking's pooling: each span of one text's token vectors (T, hidden), pooled
-        as the model pools a whole input and run through its Dense modules."""
+        as the model pools a whole input and run through its Dense modules; in groups of
+        spans whose padded grid stays within POOL_GRID_VALUES."""
         if not isinstance(self.head, EmbeddingPipeline):
             raise ValueError("only an embedding model pools chunks")
         width = max(stop - start for start, stop in spans)
-        grid = torch.zeros(len(spans), width, states.shape[1])
-        mask = torch.zeros(len(spans), width, dtype=torch.int64)
+        rows = max(1, POOL_GRID_VALUES // (width * states.shape[1]))
         tokens = torch.from_numpy(states)
-        for row, (start, stop) in enumerate(spans):
-            grid[row, : stop - start] = tokens[start:stop]
-            mask[row, : stop - start] = 1
-        with torch.inference_mode():
-            prompts = torch.zeros(len(spans), dtype=torch.int64, device=self.device)
-            pooled = self.head(grid.to(self.device), mask.to(self.device), prompts)
-        result: FloatArray = pooled.float().cpu().numpy()
+        pooled = []
+        for first in range(0, len(spans), rows):
+            group = spans[first : first + rows]
+            grid = torch.zeros(len(group), width, states.shape[1])
+            mask = torch.zeros(len(group), width, dtype=torch.int64)
+            for row, (start, stop) in enumerate(group):
+                grid[row, : stop - start] = tokens[start:stop]
+                mask[row, : stop - start] = 1
+            with torch.inference_mode():
+                prompts = torch.zeros(len(group), dtype=torch.int64, device=self.device)
+                vectors = self.head(grid.to(self.device), mask.to(self.device), prompts)
+            pooled.append(vectors.float().cpu())
+        result: FloatArray = torch.cat(pooled).numpy()
         return result
 
     def capture_graphs(self) -> int:

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from model import PoolingMode, finish
+from model import Embedder, PoolingMode, finish
+from model import embedder as embedder_module
 from model.pipeline import Dense, DenseSpec, EmbeddingPipeline, Normalize, Pooling
 
 HIDDEN = torch.tensor([[[1.0, 2.0], [3.0, -4.0], [5.0, 0.0], [100.0, 100.0]]])  # last: padding
@@ -86,3 +87,16 @@ def test_finish_cuts_then_normalises() -> None:
     assert np.allclose(finish(vectors, normalize=True, dimensions=2), [[0.6, 0.8]])
     assert np.allclose(np.linalg.norm(finish(vectors, normalize=True)), 1.0)
     assert finish(np.zeros((1, 3), dtype=np.float32), normalize=True).tolist() == [[0.0] * 3]
+
+
+def test_late_chunks_pool_alike_in_one_grid_and_in_groups(
+    tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spans pooled a few at a time (a small grid budget) equal spans pooled together."""
+    states = np.random.default_rng(0).standard_normal((40, 32)).astype(np.float32)
+    spans = [(0, 7), (5, 19), (19, 20), (20, 40), (3, 33)]
+    together = tiny_embedder.pool_spans(states, spans)
+    monkeypatch.setattr(embedder_module, "POOL_GRID_VALUES", 30 * 32 * 2)  # two rows a group
+    grouped = tiny_embedder.pool_spans(states, spans)
+    np.testing.assert_allclose(grouped, together, atol=1e-6)
+    assert np.allclose(together[0], states[0:7].mean(axis=0), atol=1e-5)
