@@ -142,7 +142,7 @@ async def test_embedding_calls_equal_their_routes(tiny_checkpoint: Path) -> None
         got = await call
         want = (await http.post("/embed", json={"inputs": TEXTS[0]})).json()
         close(got.embeddings, want[0])
-        headers = dict(await call.initial_metadata())
+        headers = dict(await call.trailing_metadata())  # with the status, not ahead of it
         assert int(headers["x-compute-tokens"]) == got.metadata.compute_tokens > 0
         assert got.metadata.compute_chars == len(TEXTS[0])
         assert got.metadata.total_time_ns >= got.metadata.inference_time_ns > 0
