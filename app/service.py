@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from starlette.types import Receive
 
-from app.chunking import Chunk, TextPlan, late_inputs, plan_texts
+from app.chunking import TextPlan, late_inputs, plan_texts
 from app.engine.protocol import Engine, ItemResult, Pending, Wants
 from app.errors import (
     ClientDisconnectedError,
@@ -93,12 +93,16 @@ class EncodeResult:
 @dataclass(frozen=True, slots=True)
 class ChunkedResult:
     model: ModelInfo
-    documents: list[Encoded]  # each text's every token
-    chunks: list[list[Chunk]]
+    plans: list[TextPlan]  # each text's every token, and its chunks
     vectors: list[FloatArray]  # per text, (chunks, D), finished
     timings: Timings
     token_count: int  # the tokens the encoder ran
     char_count: int
+
+    @property
+    def values(self) -> int:
+        """Numbers in the vectors: what a response renders."""
+        return sum(vectors.size for vectors in self.vectors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,10 +281,7 @@ class EmbeddingService:
             results, queued, inference = await self._run(encoded, wants, deadline, disconnected)
         finally:
             self._leave()
-        self.metrics.inputs.inc(len(encoded))
-        self.metrics.tokens.inc(tokens)
-        for e in encoded:
-            self.metrics.input_tokens.observe(len(e.ids))
+        self._count(encoded, tokens)
         timings = Timings(started, tokenization, queued, inference)
         chars = sum(characters(item) for item in inputs if not isinstance(item, list))
         return EncodeResult(info, encoded, results, timings, attention, chars)
@@ -355,18 +356,11 @@ class EmbeddingService:
                 items, queued, inference = await self._run(encoded, wants, deadline, disconnected)
         finally:
             self._leave()
-        self.metrics.inputs.inc(len(encoded))
-        self.metrics.tokens.inc(tokens)
-        for e in encoded:
-            self.metrics.input_tokens.observe(len(e.ids))
-        chunks = [plan.chunks for plan in plans]
-        vectors = per_text(
-            [len(own) for own in chunks], items, options.dimensions or info.dimensions
-        )
+        self._count(encoded, tokens)
+        counts = [len(plan.chunks) for plan in plans]
+        vectors = per_text(counts, items, options.dimensions or info.dimensions)
         timings = Timings(started, tokenization, queued, inference)
-        chars = sum(map(len, texts))
-        documents = [plan.document for plan in plans]
-        return ChunkedResult(info, documents, chunks, vectors, timings, tokens, chars)
+        return ChunkedResult(info, plans, vectors, timings, tokens, sum(map(len, texts)))
 
     async def similarity(
         self,
@@ -404,6 +398,13 @@ class EmbeddingService:
                         param="ids",
                     )
         return codec.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _count(self, encoded: Sequence[Encoded], tokens: int) -> None:
+        """A finished request's inputs and tokens, in the metrics."""
+        self.metrics.inputs.inc(len(encoded))
+        self.metrics.tokens.inc(tokens)
+        for e in encoded:
+            self.metrics.input_tokens.observe(len(e.ids))
 
     def _enter(self) -> TextCodec:
         """Count an accepted request, so that a drain waits for it."""

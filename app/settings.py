@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from model import DEFAULT_MODEL_ID
@@ -87,6 +94,9 @@ class ServedModel:
 
 class Settings(BaseSettings):
     """Built once at start-up and passed to the app factory; never read at import time."""
+
+    # The served models, read from `model_id` or `models_file` when the settings are made.
+    _served: list[ServedModel] = PrivateAttr(default_factory=list)
 
     model_config = SettingsConfigDict(
         env_prefix="EMBED_",
@@ -310,17 +320,18 @@ class Settings(BaseSettings):
     access_log: bool = Field(False, description="Log every request (costs throughput).")
 
     def models(self) -> list[ServedModel]:
-        """The served models, in order, each with its name."""
-        if self.models_file is None:
-            return [ServedModel.parse(spec) for spec in self.model_id]
+        """The served models, in order, each with its name (read once, when validated)."""
+        return self._served
+
+    def _read_models_file(self, path: Path) -> list[ServedModel]:
         try:
-            entries = json.loads(self.models_file.read_text(encoding="utf-8"))
+            entries = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise ValueError(f"models_file {self.models_file}: {exc}") from exc
+            raise ValueError(f"models_file {path}: {exc}") from exc
         if not isinstance(entries, list) or not entries:
-            raise ValueError(f"models_file {self.models_file}: a non-empty JSON list of models")
+            raise ValueError(f"models_file {path}: a non-empty JSON list of models")
         return [
-            ServedModel.from_entry(entry, f"models_file {self.models_file}, model {index}")
+            ServedModel.from_entry(entry, f"models_file {path}, model {index}")
             for index, entry in enumerate(entries)
         ]
 
@@ -395,22 +406,27 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _models_from_one_place(self) -> Settings:
-        if self.models_file is not None:
-            if "model_id" in self.model_fields_set:
-                raise ValueError("name the models with model_id or in models_file, not both")
-            served = self.models()
-            names = [each.name for each in served]
-            if len(set(names)) < len(names):
-                raise ValueError(f"models_file {self.models_file}: two models named alike")
-            for each in served:  # each model's own settings, checked now rather than at load
-                try:
-                    self.for_model(each)
-                except ValidationError as exc:
-                    problems = "; ".join(
-                        f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
-                    )
-                    raise ValueError(f"model {each.name}: {problems}") from exc
+    def _read_models(self) -> Settings:
+        """The served models, from `model_id` or `models_file`, named apart, each with its
+        own settings checked now rather than when it loads."""
+        if self.models_file is None:
+            served = [ServedModel.parse(spec) for spec in self.model_id]
+        elif "model_id" in self.model_fields_set:
+            raise ValueError("name the models with model_id or in models_file, not both")
+        else:
+            served = self._read_models_file(self.models_file)
+        names = [each.name for each in served]
+        if len(set(names)) < len(names):
+            raise ValueError(f"two models have one name: {names}; name them with name=folder")
+        self._served = served
+        for each in served:
+            try:
+                self.for_model(each)
+            except ValidationError as exc:
+                problems = "; ".join(
+                    f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+                )
+                raise ValueError(f"model {each.name}: {problems}") from exc
         return self
 
     @field_validator("model_id", mode="before")
@@ -429,9 +445,6 @@ class Settings(BaseSettings):
     def _check_models(cls, value: list[str]) -> list[str]:
         if not value:
             raise ValueError("name at least one model")
-        names = [ServedModel.parse(spec).name for spec in value]
-        if len(set(names)) < len(names):
-            raise ValueError(f"two models have one name: {names}; name them with name=folder")
         return value
 
     @field_validator("devices", mode="before")

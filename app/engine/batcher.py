@@ -13,6 +13,7 @@ and, for inputs that want attention maps, the maps within their budget.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -31,6 +32,7 @@ from app.memory import Trimmer
 from app.metrics import ModelMetrics
 from app.tasks import TASKS
 from model import AttentionSpec, BatchOutput, Embedder, Encoded
+from model.vectors import finish
 
 log = logging.getLogger(__name__)
 
@@ -474,17 +476,14 @@ class Batcher:
         results = []
         parts = iter(windows)
         for document in documents:
-            own = [next(parts) for _ in range(document.windows)]
-            states = np.concatenate(
-                [
-                    window.token_embeddings[start:stop]
-                    for window, (start, stop) in zip(own, document.keeps, strict=True)
-                    if window.token_embeddings is not None
-                ]
-            )
-            pooled = self.embedder.pool_spans(states, document.spans)
-            vectors = self.finish(pooled, [wants] * len(document.spans))
-            results.append(ItemResult(np.stack([v for v in vectors if isinstance(v, np.ndarray)])))
+            laid = []
+            for (start, stop), window in zip(
+                document.keeps, itertools.islice(parts, document.windows), strict=True
+            ):
+                assert window.token_embeddings is not None, "late windows run with token vectors"
+                laid.append(window.token_embeddings[start:stop])
+            pooled = self.embedder.pool_spans(np.concatenate(laid), document.spans)
+            results.append(ItemResult(finish(pooled, wants.normalize, wants.dimensions)))
         return results
 
     def _fail(self, tickets: set[Ticket], message: str) -> None:

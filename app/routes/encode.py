@@ -106,18 +106,18 @@ async def encode_chunks(
     options = body.options()
     result = await service.chunk(body.inputs_list(), options, chunking, disconnected)
     encoding = body.quantize or body.encoding
-    data = []
-    for index, (document, chunks) in enumerate(
-        zip(result.documents, chunk_payloads(result, encoding, service, options), strict=True)
-    ):
-        entry: dict[str, Any] = {"index": index, "truncated": False, "chunks": chunks}
-        if body.tokens:
-            entry["tokens"] = token_payload(document)
-        data.append(entry)
-    payload = {"model": result.model.model_id, "data": data, "usage": usage_payload(result)}
-    return await render(
-        lambda: payload, values=sum(v.size for v in result.vectors), headers=timing_headers(result)
-    )
+
+    def payload() -> dict[str, Any]:
+        data = []
+        chunks = chunk_payloads(result, encoding, service, options)
+        for index, (plan, own) in enumerate(zip(result.plans, chunks, strict=True)):
+            entry: dict[str, Any] = {"index": index, "truncated": False, "chunks": own}
+            if body.tokens:
+                entry["tokens"] = token_payload(plan.document)
+            data.append(entry)
+        return {"model": result.model.model_id, "data": data, "usage": usage_payload(result)}
+
+    return await render(payload, values=result.values, headers=timing_headers(result))
 
 
 def chunk_payloads(
@@ -128,7 +128,7 @@ def chunk_payloads(
 ) -> list[list[dict[str, Any]]]:
     """Per text, each chunk's offsets, token count and vector (floats, base64 or codes)."""
     payloads = []
-    for chunks, vectors in zip(result.chunks, result.vectors, strict=True):
+    for plan, vectors in zip(result.plans, result.vectors, strict=True):
         if encoding == "float" or encoding == "base64":
             embeddings: Sequence[Any] = [array_payload(v, encoding) for v in vectors]
         else:
@@ -136,7 +136,7 @@ def chunk_payloads(
         payloads.append(
             [
                 {"start": c.start, "end": c.end, "tokens": c.tokens, "embedding": embedding}
-                for c, embedding in zip(chunks, embeddings, strict=True)
+                for c, embedding in zip(plan.chunks, embeddings, strict=True)
             ]
         )
     return payloads
@@ -152,7 +152,8 @@ async def embed_chunks(
 ) -> Response:
     options = body.options()
     result = await service.chunk(body.inputs_list(), options, body.chunking.options(), disconnected)
-    payload = chunk_payloads(result, body.encoding, service, options)
     return await render(
-        lambda: payload, values=sum(v.size for v in result.vectors), headers=timing_headers(result)
+        lambda: chunk_payloads(result, body.encoding, service, options),
+        values=result.values,
+        headers=timing_headers(result),
     )
