@@ -205,13 +205,14 @@ class Settings(BaseSettings):
         16384, ge=1, description="Padded tokens (longest x count) one forward pass may hold."
     )
     max_batch_inputs: int = Field(64, ge=1, description="Inputs one forward pass may hold.")
-    batch_wait_ms: float = Field(
-        50.0,
+    batch_wait_ms: float | None = Field(
+        None,
         ge=0,
         le=1000,
         description=(
             "Most milliseconds the worker keeps waiting for a fuller batch while inputs keep "
-            "arriving (it stops after 2 ms without one): throughput against latency under load."
+            "arriving (it stops after 2 ms without one): throughput against latency under load. "
+            "Default: 50 on a CPU, 0 on a GPU."
         ),
     )
     max_inputs_per_request: int = Field(
@@ -352,6 +353,15 @@ class Settings(BaseSettings):
         """Torch threads per engine: `threads`, or the CPUs this process may use over the
         engines (at least one)."""
         return self.threads or max(1, available_cpus() // self.engine_count())
+
+    def batch_wait(self, device: str) -> float:
+        """Seconds an engine on `device` may wait for a fuller batch. On a CPU a pass's time
+        grows with its inputs, and one full pass beats two half ones; on a GPU a small
+        model's pass costs about the same at any small batch, so waiting only idles the
+        device while clients come back (measured: docs/benchmarks.md)."""
+        if self.batch_wait_ms is not None:
+            return self.batch_wait_ms / 1000
+        return 0.0 if device.startswith("cuda") else 0.05
 
     def on_gpu(self) -> bool:
         return any(device.startswith("cuda") for device in self.devices)

@@ -4,8 +4,8 @@ In one run, one process at a time, for each dtype:
 1. The ceiling, in a child process: the encoder on the same texts, tokenization included,
    sorted by length, in batches of 32, for short sentences and long passages; and the p50 of
    one single-sentence call (tokenize, forward, pool).
-2. The real server (`python -m app`, loopback) under wrk pinned to one core: 1 x 1, 32 x 1
-   and 4 x 32 short sentences, and 32 x 1 long passages (clients x inputs per request),
+2. The real server (`python -m app`, loopback) under wrk pinned to one core: 1 x 1, 32 x 1,
+   4 x 32 and 256 x 1 short sentences, and 32 x 1 long passages (clients x inputs per request),
    every response checked (status, vector count, dimension).
 Rounds alternate the two, each with a fresh server, and each figure keeps its best round:
 this machine's speed drifts by tens of percent from one minute to the next. Each server
@@ -14,7 +14,8 @@ loops against the other threads, per text), its batches (size, padding) and the 
 time its forward passes ran, which tell why a figure falls short of the ceiling; all is
 printed and written to bench/results/server.json.
 Usage: python -m bench.server [--dtypes float32 bfloat16 int8] [--seconds 10] [--rounds 2]
-                              [--device cpu|cuda] [-- SERVER FLAGS]
+                              [--device cpu|cuda] [--model-id ID] [--client-cores 0-3]
+                              [-- SERVER FLAGS]
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from pathlib import Path
 import orjson
 
 from bench.workload import long_passages, short_sentences
-from bench.wrk import Server, WrkResult, engines_in, run_wrk
+from bench.wrk import WRK_CORE, Server, WrkResult, engines_in, run_wrk
+from model import DEFAULT_MODEL_ID
 
 RESULTS = Path(__file__).resolve().parent / "results" / "server.json"
 BATCH = 32
@@ -52,17 +54,19 @@ LOADS = (
     Load("32 x 1 short", 32, 1, False, "short"),
     Load("4 x 32 short", 4, 32, False, "short"),
     Load("32 x 1 long", 32, 1, True, "long"),
+    # Many clients at once, as a GPU behind a fleet of callers sees them.
+    Load("256 x 1 short", 256, 1, False, "short"),
 )
 
 
-def ceiling(dtype: str, threads: int, device: str, prepack: bool) -> dict[str, float]:
+def ceiling(dtype: str, args: argparse.Namespace) -> dict[str, float]:
     """Run in a child process: texts/s for short and long, single-call p50, peak RSS."""
     import torch
 
     from model import Embedder
 
-    torch.set_num_threads(threads)
-    embedder = Embedder.load(device=device, dtype=dtype, prepack=prepack)
+    torch.set_num_threads(args.threads)
+    embedder = Embedder.load(args.model_id, device=args.device, dtype=dtype, prepack=args.prepack)
     embedder.capture_graphs()  # as the server does at start-up (none on the CPU)
     figures: dict[str, float] = {}
     for name, texts in (("short", short_sentences(2048)), ("long", long_passages(256))):
@@ -87,7 +91,7 @@ def ceiling(dtype: str, threads: int, device: str, prepack: bool) -> dict[str, f
     return figures
 
 
-def measure_ceiling(dtype: str, threads: int, device: str, prepack: bool) -> dict[str, float]:
+def measure_ceiling(dtype: str, args: argparse.Namespace) -> dict[str, float]:
     command = [
         sys.executable,
         "-m",
@@ -95,10 +99,12 @@ def measure_ceiling(dtype: str, threads: int, device: str, prepack: bool) -> dic
         "--ceiling-of",
         dtype,
         "--threads",
-        str(threads),
+        str(args.threads),
         "--device",
-        device,
-        *([] if prepack else ["--no-prepack"]),
+        args.device,
+        "--model-id",
+        args.model_id,
+        *([] if args.prepack else ["--no-prepack"]),
     ]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     figures: dict[str, float] = json.loads(output.strip().splitlines()[-1])
@@ -123,7 +129,7 @@ class LoadRun:
     busy: float  # share of the run each worker spent in forward passes
 
 
-def run_load(server: Server, load: Load, seconds: float) -> LoadRun:
+def run_load(server: Server, load: Load, seconds: float, client_cores: str = WRK_CORE) -> LoadRun:
     cpu, batches = server.cpu(), server.batches()
     result = run_wrk(
         server.url,
@@ -132,6 +138,7 @@ def run_load(server: Server, load: Load, seconds: float) -> LoadRun:
         seconds=seconds,
         vectors=load.inputs,
         dimension=DIMENSION,
+        cores=client_cores,
     )
     # Read before settling, so that the probes do not count: the work still running for
     # wrk's last requests (at most one batch per worker) is left out instead.
@@ -152,7 +159,7 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
     ceilings = []
     results: dict[str, list[LoadRun]] = {load.name: [] for load in LOADS}
     rss: dict[str, float] = {}
-    flags = ["--dtype", dtype]
+    flags = ["--dtype", dtype, "--model-id", args.model_id]
     if engines_in(args.server) == 1:
         flags += ["--devices", args.device, "--threads", str(args.threads)]
     # Else each engine's threads are the server's default, its share of the CPUs: the
@@ -162,15 +169,15 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
     for _ in range(args.rounds):
         # The ceiling runs alone; then a fresh server: one process's speed is a draw of its
         # own (the same code's 1 x 1 p50 was 6.20 ms in one process, 4.76 ms in the next).
-        ceilings.append(measure_ceiling(dtype, args.threads, args.device, args.prepack))
+        ceilings.append(measure_ceiling(dtype, args))
         server = Server(flags)
         try:
             server.wait_ready()
             info = server.info()
             for load in LOADS:  # warm-up: the first seconds of a fresh server are slower
-                run_load(server, load, 2)
+                run_load(server, load, 2, args.client_cores)
             for load in LOADS:
-                results[load.name].append(run_load(server, load, args.seconds))
+                results[load.name].append(run_load(server, load, args.seconds, args.client_cores))
                 rss[load.name] = max(rss.get(load.name, 0.0), server.peak_rss_mib())
         finally:
             server.stop()
@@ -232,6 +239,13 @@ def main() -> None:
         help="the ceiling's, and the server's unless several --devices",
     )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU figures")
+    parser.add_argument("--model-id", default=DEFAULT_MODEL_ID, help="the model, as the server's")
+    parser.add_argument(
+        "--client-cores",
+        default=WRK_CORE,
+        help="the CPUs wrk runs on, a thread on each (taskset's list): more than one where one "
+        "core cannot drive the server, as on a GPU machine",
+    )
     parser.add_argument(
         "--no-prepack",
         dest="prepack",
@@ -242,7 +256,7 @@ def main() -> None:
     parser.add_argument("server", nargs="*", help="after --, flags for the server")
     args = parser.parse_args()
     if args.ceiling_of:
-        print(json.dumps(ceiling(args.ceiling_of, args.threads, args.device, args.prepack)))
+        print(json.dumps(ceiling(args.ceiling_of, args)))
         return
     report = {dtype: benchmark(dtype, args) for dtype in args.dtypes}
     RESULTS.parent.mkdir(exist_ok=True)

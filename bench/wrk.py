@@ -70,6 +70,23 @@ class Batches:
     padding: float  # sum of each batch's padded share
     seconds: float  # sum of the forward passes' durations
 
+    @classmethod
+    def from_metrics(cls, exposition: str) -> Batches:
+        """The sums in a Prometheus text exposition, over every label (models, engines)."""
+        names = (
+            "embed_batch_size_count",
+            "embed_batch_size_sum",
+            "embed_padding_ratio_sum",
+            "embed_inference_duration_seconds_sum",
+        )
+        sums = dict.fromkeys(names, 0.0)
+        for line in exposition.splitlines():
+            sample, _, value = line.rpartition(" ")
+            name = sample.partition("{")[0]
+            if name in sums:
+                sums[name] += float(value)
+        return cls(*(sums[name] for name in names))
+
     def __sub__(self, earlier: Batches) -> Batches:
         return Batches(
             self.count - earlier.count,
@@ -140,23 +157,7 @@ class Server:
         return ServerCpu(main, rest)
 
     def batches(self) -> Batches:
-        names = (
-            "embed_batch_size_count",
-            "embed_batch_size_sum",
-            "embed_padding_ratio_sum",
-            "embed_inference_duration_seconds_sum",
-        )
-        sums = dict.fromkeys(names, 0.0)
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in sums:
-                sums[name] += float(value)
-        return Batches(
-            count=sums["embed_batch_size_count"],
-            inputs=sums["embed_batch_size_sum"],
-            padding=sums["embed_padding_ratio_sum"],
-            seconds=sums["embed_inference_duration_seconds_sum"],
-        )
+        return Batches.from_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)
 
     def settle(self, probes: int = 8) -> None:
         """Return once the work clients left behind is done: when wrk stops, the batches
@@ -187,6 +188,15 @@ def engines_in(flags: Sequence[str]) -> int:
     return len(devices.split(","))
 
 
+def core_list(cores: str) -> list[int]:
+    """The CPUs of a taskset list such as "0", "0-3" or "0,2-3"."""
+    found: list[int] = []
+    for part in cores.split(","):
+        first, _, last = part.partition("-")
+        found.extend(range(int(first), int(last or first) + 1))
+    return found
+
+
 def _children(pid: int) -> list[int]:
     children = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(child) for child in children.read_text().split()] if children.exists() else []
@@ -209,17 +219,20 @@ def run_wrk(
     vectors: int,
     dimension: int,
     path: str = "/embed",
+    cores: str = WRK_CORE,
 ) -> WrkResult:
-    """One wrk run; every response is checked, and any bad one is reported."""
+    """One wrk run, a thread on each of `cores` (taskset's list: "0", "0-3") up to one per
+    connection; every response is checked, and any bad one is reported."""
     wrk = shutil.which("wrk")
     if wrk is None:
         raise SystemExit("wrk is not installed (apt-get install wrk)")
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as handle:
         handle.write("\n".join(bodies) + "\n")
         bodies_file = handle.name
+    threads = min(len(core_list(cores)), connections)
     command = [
-        "taskset", "-c", WRK_CORE, wrk, "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
-        "--timeout", "30s", "-s", str(SCRIPT), url,
+        "taskset", "-c", cores, wrk, f"-t{threads}", f"-c{connections}",
+        f"-d{max(1, round(seconds))}s", "--timeout", "30s", "-s", str(SCRIPT), url,
         "--", bodies_file, path, str(vectors), str(dimension),
     ]  # fmt: skip
     before = os.times()

@@ -98,7 +98,7 @@ class ModelEngine:
             max_attention_values=settings.max_attention_values,
             max_wait=settings.request_timeout,
             max_queue_wait=settings.max_queue_wait,
-            batch_wait=settings.batch_wait_ms / 1000,
+            batch_wait=settings.batch_wait(info.device),
             seconds_per_token=seconds_per_token,
             cores=self.cores if info.device == "cpu" else None,
         )

@@ -84,6 +84,16 @@ def test_auto_runs_what_measured_best_where_it_finds_the_cpu(
     assert Settings(model_id="m", devices="cpu").placed_on(["cpu"]).devices == ["cpu"]
 
 
+def test_the_batch_wait_is_chosen_per_device_unless_set() -> None:
+    """A fuller batch is worth waiting for on a CPU, not on a GPU (docs/benchmarks.md)."""
+    auto = Settings(model_id="m")
+    assert auto.batch_wait("cpu") == 0.05
+    assert auto.batch_wait("cuda:0") == 0.0
+    chosen = Settings(model_id="m", batch_wait_ms=5)
+    assert chosen.batch_wait("cpu") == chosen.batch_wait("cuda") == 0.005
+    assert Settings(model_id="m", batch_wait_ms=0).batch_wait("cpu") == 0.0
+
+
 def test_one_process_cannot_hold_several_engines() -> None:
     with pytest.raises(ValueError, match="placement in-process runs one engine"):
         Settings(model_id="m", placement="in-process", devices="cpu,cpu")
