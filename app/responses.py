@@ -17,8 +17,11 @@ import orjson
 from starlette.responses import JSONResponse as StarletteJSONResponse
 from starlette.responses import Response
 
-from app.service import ChunkedResult, EncodeResult
+from app.params import EncodeOptions
+from app.schemas import VectorEncoding
+from app.service import ChunkedResult, EmbeddingService, EncodeResult
 from model import FloatArray
+from model.quantization import CodeArray
 
 Encoding = Literal["float", "base64"]
 # Numbers past which a body is rendered off the event loop: rendering one that large would
@@ -51,6 +54,22 @@ async def render(
 
 def base64_floats(array: FloatArray) -> str:
     return base64.b64encode(array.astype("<f4", copy=False).tobytes()).decode("ascii")
+
+
+def encoded_vectors(
+    vectors: FloatArray,
+    encoding: VectorEncoding,
+    service: EmbeddingService,
+    options: EncodeOptions,
+) -> FloatArray | CodeArray | list[str]:
+    """Finished vectors, one per row, as `encoding` asks: the floats; each vector's
+    little-endian float32 bytes in base64, as OpenAI gives them; or compact codes on the
+    model's calibration ranges for vectors finished as `options` finishes them."""
+    if encoding == "float":
+        return vectors
+    if encoding == "base64":
+        return [base64_floats(vector) for vector in vectors]
+    return service.quantized(vectors, encoding, options)
 
 
 def array_payload(array: FloatArray, encoding: Encoding) -> Any:

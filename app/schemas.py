@@ -140,10 +140,12 @@ Dimensions = Annotated[
     StrictInt, Field(ge=1, json_schema_extra=bound("dimensions")), BeforeValidator(_integral)
 ]
 PromptName = Annotated[StrictStr, Field(json_schema_extra=bound("prompt_name"))]
-# Vectors as floats, or as compact codes (model/quantization.py).
-VectorEncoding = Literal["float"] | Precision
+# Vectors as floats, base64 float32, or compact codes (model/quantization.py).
+# One Literal (nested ones flatten), so that a wrong value's error names every choice.
+VectorEncoding = Literal["float", "base64", Precision]
 ENCODING_DESCRIPTION = (
-    "float; or compact codes, after normalisation and dimensions: int8 or uint8 (each "
+    "float; base64 (each vector's little-endian float32 bytes, as OpenAI's encoding_format "
+    "gives them); or compact codes, after normalisation and dimensions: int8 or uint8 (each "
     "dimension's range, in /info's quantization, mapped onto 256 steps), binary (sign bits "
     "packed 8 to a byte, shifted by -128 into int8) or ubinary (the same bytes unshifted), as "
     "sentence-transformers' quantize_embeddings gives them."
@@ -375,14 +377,16 @@ class SimpleToken(BaseModel):
 
 
 # OpenAI ---------------------------------------------------------------------------------
+MODEL_DESCRIPTION = (
+    "Which served model answers, where the server serves several (GET /v1/models lists "
+    "them; an unknown name is a 404); with one, any name is accepted and that model answers."
+)
+
+
 class OpenAIEmbeddingRequest(Request):
     input: Inputs = Field(description=INPUTS_DESCRIPTION)
-    model: StrictStr | None = Field(
-        None, description="Accepted for compatibility; the served model answers."
-    )
-    encoding_format: Literal["base64"] | VectorEncoding = Field(
-        "float", description="base64: little-endian float32 bytes. " + ENCODING_DESCRIPTION
-    )
+    model: StrictStr | None = Field(None, description=MODEL_DESCRIPTION)
+    encoding_format: VectorEncoding = Field("float", description=ENCODING_DESCRIPTION)
     dimensions: Dimensions | None = Field(None, description="Keep the first N dimensions.")
     user: StrictStr | None = Field(None, description="Accepted and ignored.")
 
@@ -396,7 +400,6 @@ class OpenAIEmbeddingRequest(Request):
 
 # Cohere ---------------------------------------------------------------------------------
 CohereInputType = Literal["search_document", "search_query", "classification", "clustering"]
-CohereEmbeddingType = Literal["float", "base64"] | Precision
 
 
 class CohereEmbedRequest(Request):
@@ -407,9 +410,7 @@ class CohereEmbedRequest(Request):
         AfterValidator(_not_empty),
         Field(json_schema_extra={"minItems": 1, **bound("inputs")}),
     ] = Field(description="The texts to embed.")
-    model: StrictStr | None = Field(
-        None, description="Accepted for compatibility; the served model answers."
-    )
+    model: StrictStr | None = Field(None, description=MODEL_DESCRIPTION)
     input_type: CohereInputType | None = Field(
         None,
         description=(
@@ -418,7 +419,7 @@ class CohereEmbedRequest(Request):
             "`clustering`), else the model's default prompt."
         ),
     )
-    embedding_types: Annotated[list[CohereEmbeddingType], Field(min_length=1)] = Field(
+    embedding_types: Annotated[list[VectorEncoding], Field(min_length=1)] = Field(
         ["float"], description="Each type asked for is returned under its name."
     )
     output_dimension: Dimensions | None = Field(None, description="Keep the first N dimensions.")
@@ -576,7 +577,7 @@ class ChunkVector(BaseModel):
     start: int = Field(description="The chunk's first character in the text as sent.")
     end: int = Field(description="One past its last character.")
     tokens: int = Field(description="The text's tokens in the chunk.")
-    embedding: list[float] | list[int]
+    embedding: list[float] | list[int] | str
 
 
 class EncodeRequest(TruncatingRequest):

@@ -73,7 +73,7 @@ def ceiling(dtype: str, args: argparse.Namespace) -> dict[str, float]:
         ordered = sorted(texts, key=len)
         batches = [ordered[start : start + BATCH] for start in range(0, len(ordered), BATCH)]
         # Two passes, the second timed: on a GPU each new eager shape pays for choosing its
-        # kernels once (H100, 8 long batches of 32: median 43.9 ms on first use, 5.0 ms after).
+        # kernels once, several times the cost of a pass with its kernels chosen.
         for _ in range(2):
             started = time.perf_counter()
             for batch in batches:
@@ -168,7 +168,7 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
     info: dict[str, object] = {}
     for _ in range(args.rounds):
         # The ceiling runs alone; then a fresh server: one process's speed is a draw of its
-        # own (the same code's 1 x 1 p50 was 6.20 ms in one process, 4.76 ms in the next).
+        # own (one process's 1 x 1 p50 differs from the next's by more than most changes).
         ceilings.append(measure_ceiling(dtype, args))
         server = Server(flags)
         try:

@@ -161,7 +161,7 @@ class Server:
 
     def settle(self, probes: int = 8) -> None:
         """Return once the work clients left behind is done: when wrk stops, the batches
-        already running for its connections still run (up to 2 s for long passages on 2
+        already running for its connections still run (seconds, for long passages on 2
         cores), and would land in the next load's latencies. Each probe, on a connection of
         its own (so that the kernel spreads them over the front ends), is answered only after
         its engine's running batch."""

@@ -42,7 +42,10 @@ FULL_TIER_TESTS: dict[str, set[str]] = {
     # Real timeouts waited out.
     "tests/app/test_limits.py": {"test_request_timeout", "test_body_timeout"},
     # Servers started as processes, to see them fail.
-    "tests/app/test_models.py": {"test_a_model_that_cannot_load_fails_the_start_with_its_name"},
+    "tests/app/test_models.py": {
+        "test_a_model_that_cannot_load_fails_the_start_with_its_name",
+        "test_a_server_over_its_memory_budget_refuses_to_start",
+    },
     "tests/app/test_faults.py": {"test_start_up_objects_are_frozen_out_of_the_cyclic_collector"},
     # schemathesis over every operation, per model.
     "tests/app/test_contract.py": {"test_the_service_keeps_its_published_contract"},

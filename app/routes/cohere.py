@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from app.dependencies import DisconnectDep, ServiceDep
-from app.responses import JSONResponse, base64_floats, timing_headers
+from app.responses import JSONResponse, encoded_vectors, timing_headers
 from app.routes.errors import error_responses
 from app.schemas import CohereEmbedRequest, CohereEmbedResponse, CohereInputType
 
@@ -47,12 +47,7 @@ async def embed_v2(
     vectors = result.vectors()
     embeddings: dict[str, object] = {}
     for kind in dict.fromkeys(body.embedding_types):
-        if kind == "float":
-            embeddings[kind] = vectors
-        elif kind == "base64":
-            embeddings[kind] = [base64_floats(vector) for vector in vectors]
-        else:
-            embeddings[kind] = service.quantized(vectors, kind, options)
+        embeddings[kind] = encoded_vectors(vectors, kind, service, options)
     content = {
         "id": str(uuid.uuid4()),  # as Cohere's are
         "response_type": "embeddings_by_type",

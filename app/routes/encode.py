@@ -3,7 +3,7 @@ POST /embed_chunks: long texts' chunks, each with its vector and offsets."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from fastapi import APIRouter
@@ -12,14 +12,21 @@ from starlette.responses import Response
 from app.dependencies import DisconnectDep, ServiceDep
 from app.engine.protocol import ItemResult
 from app.errors import ValidationFailedError
-from app.params import ChunkOptions, EncodeOptions
-from app.responses import Encoding, array_payload, render, timing_headers, usage_payload
+from app.params import ChunkOptions
+from app.responses import (
+    Encoding,
+    array_payload,
+    encoded_vectors,
+    render,
+    timing_headers,
+    usage_payload,
+)
 from app.routes.errors import error_responses
 from app.schemas import ChunkRequest, ChunkVector, EncodeRequest, EncodeResponse
-from app.service import ChunkedResult, EmbeddingService, EncodeResult
+from app.service import ChunkedResult, EncodeResult
 from app.tasks import require_task
-from model import Encoded
-from model.quantization import CodeArray, Precision
+from model import Encoded, FloatArray
+from model.quantization import CodeArray
 
 router = APIRouter(tags=["encode"], responses=error_responses())
 
@@ -105,11 +112,16 @@ async def encode_chunks(
         )
     options = body.options()
     result = await service.chunk(body.inputs_list(), options, chunking, disconnected)
-    encoding = body.quantize or body.encoding
+
+    def embeddings(vectors: FloatArray) -> Iterable[Any]:
+        """/encode's arrays (floats, or base64 with a shape), or its `quantize` codes."""
+        if body.quantize is not None:
+            return service.quantized(vectors, body.quantize, options)
+        return [array_payload(vector, body.encoding) for vector in vectors]
 
     def payload() -> dict[str, Any]:
         data = []
-        chunks = chunk_payloads(result, encoding, service, options)
+        chunks = chunk_payloads(result, embeddings)
         for index, (plan, own) in enumerate(zip(result.plans, chunks, strict=True)):
             entry: dict[str, Any] = {"index": index, "truncated": False, "chunks": own}
             if body.tokens:
@@ -121,25 +133,17 @@ async def encode_chunks(
 
 
 def chunk_payloads(
-    result: ChunkedResult,
-    encoding: Encoding | Precision,
-    service: EmbeddingService,
-    options: EncodeOptions,
+    result: ChunkedResult, embeddings: Callable[[FloatArray], Iterable[Any]]
 ) -> list[list[dict[str, Any]]]:
-    """Per text, each chunk's offsets, token count and vector (floats, base64 or codes)."""
-    payloads = []
-    for plan, vectors in zip(result.plans, result.vectors, strict=True):
-        if encoding == "float" or encoding == "base64":
-            embeddings: Sequence[Any] = [array_payload(v, encoding) for v in vectors]
-        else:
-            embeddings = list(service.quantized(vectors, encoding, options))
-        payloads.append(
-            [
-                {"start": c.start, "end": c.end, "tokens": c.tokens, "embedding": embedding}
-                for c, embedding in zip(plan.chunks, embeddings, strict=True)
-            ]
-        )
-    return payloads
+    """Per text, each chunk's offsets, token count and vector (as `embeddings` gives a
+    text's (chunks, D) vectors)."""
+    return [
+        [
+            {"start": c.start, "end": c.end, "tokens": c.tokens, "embedding": embedding}
+            for c, embedding in zip(plan.chunks, embeddings(vectors), strict=True)
+        ]
+        for plan, vectors in zip(result.plans, result.vectors, strict=True)
+    ]
 
 
 @router.post(
@@ -153,7 +157,9 @@ async def embed_chunks(
     options = body.options()
     result = await service.chunk(body.inputs_list(), options, body.chunking.options(), disconnected)
     return await render(
-        lambda: chunk_payloads(result, body.encoding, service, options),
+        lambda: chunk_payloads(
+            result, lambda vectors: encoded_vectors(vectors, body.encoding, service, options)
+        ),
         values=result.values,
         headers=timing_headers(result),
     )

@@ -3,13 +3,11 @@ path for it), GET /v1/models."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from fastapi import APIRouter
 from starlette.responses import Response
 
 from app.dependencies import DisconnectDep, ModelsDep, ServiceDep
-from app.responses import JSONResponse, base64_floats, timing_headers, usage_payload
+from app.responses import JSONResponse, encoded_vectors, timing_headers, usage_payload
 from app.routes.errors import error_responses
 from app.schemas import ModelList, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
 
@@ -27,15 +25,8 @@ async def create_embeddings(
 ) -> Response:
     options = body.options()
     result = await service.encode(body.inputs_list(), options, disconnected)
-    vectors = result.vectors()
-    encoding = body.encoding_format
-    embeddings: Sequence[object]
-    if encoding == "base64":  # the official client's default: each vector as it lies in memory
-        embeddings = [base64_floats(vector) for vector in vectors]
-    elif encoding == "float":
-        embeddings = list(vectors)
-    else:
-        embeddings = list(service.quantized(vectors, encoding, options))
+    # base64 is the official client's default: each vector as it lies in memory.
+    embeddings = encoded_vectors(result.vectors(), body.encoding_format, service, options)
     data = [
         {"object": "embedding", "index": index, "embedding": embedding}
         for index, embedding in enumerate(embeddings)

@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from app.dependencies import DisconnectDep, ServiceDep
-from app.responses import JSONResponse, render, timing_headers
+from app.responses import JSONResponse, encoded_vectors, render, timing_headers
 from app.routes.errors import error_responses
 from app.schemas import (
     DecodeRequest,
@@ -21,14 +21,15 @@ from app.schemas import (
 router = APIRouter(tags=["text-embeddings-inference"], responses=error_responses())
 
 
-@router.post("/embed", response_model=list[list[float]], summary="Pooled embeddings")
+@router.post(
+    "/embed",
+    response_model=list[list[float]] | list[list[int]] | list[str],
+    summary="Pooled embeddings",
+)
 async def embed(body: EmbedRequest, service: ServiceDep, disconnected: DisconnectDep) -> Response:
     options = body.options()
     result = await service.encode(body.inputs_list(), options, disconnected)
-    vectors = result.vectors()
-    if body.encoding != "float":
-        codes = service.quantized(vectors, body.encoding, options)
-        return JSONResponse(codes, headers=timing_headers(result))
+    vectors = encoded_vectors(result.vectors(), body.encoding, service, options)
     return JSONResponse(vectors, headers=timing_headers(result))
 
 

@@ -85,13 +85,16 @@ def test_cohere_sdk_gets_every_embedding_type(server: ServerProcess, direct: np.
     assert np.array(cut.embeddings.float_).shape == (1, 8)
 
 
-def test_openai_client_asks_for_int8_through_its_extra_body(server: ServerProcess) -> None:
+@pytest.mark.parametrize("precision", ["int8", "uint8", "binary", "ubinary"])
+def test_openai_client_asks_for_codes_through_its_extra_body(
+    server: ServerProcess, precision: str
+) -> None:
     with openai.OpenAI(api_key="unused", base_url=f"{server.url}/v1") as client:
         response = client.embeddings.create(
-            input=TEXTS, model="any", extra_body={"encoding_format": "int8"}
+            input=TEXTS, model="any", extra_body={"encoding_format": precision}
         )
     codes = httpx.post(
-        f"{server.url}/embed", json={"inputs": TEXTS, "encoding": "int8"}, timeout=60
+        f"{server.url}/embed", json={"inputs": TEXTS, "encoding": precision}, timeout=60
     ).json()
     assert [item.embedding for item in response.data] == codes
 

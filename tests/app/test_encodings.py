@@ -4,6 +4,7 @@ publishes; a vector's codes never depend on what else is in the request or the b
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,30 @@ async def test_every_encoding_is_quantize_embeddings_on_the_published_ranges(
         expected = quantize_embeddings(floats.astype(np.float32), precision, ranges=ranges)
         assert codes[precision] == expected.tolist(), precision
         assert [item["embedding"] for item in openai[precision]["data"]] == expected.tolist()
+
+
+async def test_base64_and_binary_round_trip_to_the_float_vectors(tiny_checkpoint: Path) -> None:
+    """base64 decodes to /embed's float32 vectors exactly, on /embed and /embed_chunks; the
+    bits of ubinary, unpacked, are the floats' signs (positive: 1), and binary is the same
+    bytes shifted by -128."""
+    chunking = {"inputs": TEXTS[1], "chunking": {"mode": "independent", "size": 4}}
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        floats = np.array((await client.post("/embed", json={"inputs": TEXTS})).json())
+        encoded = await client.post("/embed", json={"inputs": TEXTS, "encoding": "base64"})
+        ubinary = await client.post("/embed", json={"inputs": TEXTS, "encoding": "ubinary"})
+        binary = await client.post("/embed", json={"inputs": TEXTS, "encoding": "binary"})
+        chunks = (await client.post("/embed_chunks", json=chunking)).json()[0]
+        chunks64 = await client.post("/embed_chunks", json=chunking | {"encoding": "base64"})
+    decoded = np.stack([np.frombuffer(base64.b64decode(v), dtype="<f4") for v in encoded.json()])
+    assert np.array_equal(decoded, floats.astype(np.float32))
+    bits = np.unpackbits(np.array(ubinary.json(), dtype=np.uint8), axis=1)
+    assert np.array_equal(bits, (floats > 0).astype(np.uint8))
+    assert np.array_equal(np.array(binary.json()), np.array(ubinary.json()) - 128)
+    assert len(chunks) > 1
+    for chunk, coded in zip(chunks, chunks64.json()[0], strict=True):
+        assert (chunk["start"], chunk["end"]) == (coded["start"], coded["end"])
+        vector = np.frombuffer(base64.b64decode(coded["embedding"]), dtype="<f4")
+        assert np.array_equal(vector, np.array(chunk["embedding"], dtype=np.float32))
 
 
 async def test_codes_do_not_depend_on_the_rest_of_the_request(tiny_checkpoint: Path) -> None:
@@ -95,8 +120,12 @@ async def test_an_unknown_encoding_is_a_422(tiny_checkpoint: Path) -> None:
     async with running_app(make_settings(tiny_checkpoint)) as (_, client):
         response = await client.post("/embed", json={"inputs": "a", "encoding": "int4"})
         openai = await client.post("/v1/embeddings", json={"input": "a", "encoding_format": "x"})
-    assert response.status_code == 422 and "encoding" in response.json()["error"]
+    assert response.status_code == 422
+    assert response.json()["error"] == (
+        "encoding: Input should be 'float', 'base64', 'int8', 'uint8', 'binary' or 'ubinary'"
+    )
     assert openai.status_code == 422
+    assert openai.json()["error"]["param"] == "encoding_format"
 
 
 async def test_encode_gives_the_pooled_vector_as_codes_beside_float_token_vectors(

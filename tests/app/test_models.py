@@ -35,7 +35,12 @@ MODELS: list[tuple[str, str, list[tuple[str, dict[str, Any]]]]] = [
             ("/embed", {"inputs": TEXTS}),
             ("/embed_chunks", {"inputs": " ".join(TEXTS * 5), "chunking": {"size": 8}}),
             ("/encode", {"inputs": TEXTS[0], "token_embeddings": True}),
+            ("/embed_all", {"inputs": TEXTS[:2]}),
+            ("/similarity", {"inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS}}),
+            ("/v2/embed", {"texts": TEXTS, "embedding_types": ["float", "int8"]}),
+            ("/", {"inputs": TEXTS}),
             ("/tokenize", {"inputs": TEXTS[1]}),
+            ("/decode", {"ids": [[2, 5, 6, 3]]}),
         ],
     ),
     (
@@ -44,10 +49,14 @@ MODELS: list[tuple[str, str, list[tuple[str, dict[str, Any]]]]] = [
         [
             ("/rerank", {"query": "a fox", "texts": TEXTS}),
             ("/predict", {"inputs": [["a fox", TEXTS[0]], ["a dog", TEXTS[2]]]}),
+            ("/", {"query": "a fox", "texts": TEXTS}),
         ],
     ),
-    ("splade", "splade", [("/embed_sparse", {"inputs": TEXTS})]),
+    ("splade", "splade", [("/embed_sparse", {"inputs": TEXTS}), ("/", {"inputs": TEXTS})]),
 ]
+# Fields that differ between any two answers: the served name (alone, the folder) and
+# Cohere's response id.
+UNCOMPARED = frozenset({"model", "id"})
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +81,7 @@ def same(got: Any, expected: Any) -> None:
     elif isinstance(expected, dict):
         assert got.keys() == expected.keys()
         for key in expected:
-            if key != "model":  # the served name, where alone it is the folder
+            if key not in UNCOMPARED:
                 same(got[key], expected[key])
     else:
         assert got == expected
@@ -103,6 +112,10 @@ async def test_each_model_answers_as_it_does_alone(
         assert openai.json()["model"] == "embedder"
         vectors = [item["embedding"] for item in openai.json()["data"]]
         same(vectors, alone["embedder", "/embed"])
+        cohere = await client.post(
+            "/v2/embed", json={"texts": TEXTS, "model": "embedder", "embedding_types": ["float"]}
+        )
+        same(cohere.json()["embeddings"]["float"], alone["embedder", "/embed"])
         listed = (await client.get("/v1/models")).json()["data"]
         assert [card["id"] for card in listed] == ["embedder", "reranker", "splade"]
         info = (await client.get("/models/reranker/info")).json()
@@ -211,6 +224,25 @@ def test_models_over_the_memory_budget_are_refused_by_name(folders: dict[str, Pa
     assert "more than memory_budget_mb 80" in refusal
     halved = settings.model_copy(update={"memory_budget_mb": 80, "dtype": "bfloat16"})
     assert over_budget(halved, served) is None
+
+
+def test_a_server_over_its_memory_budget_refuses_to_start(folders: dict[str, Path]) -> None:
+    """The real command line: the refusal names each model's share, before any model loads
+    or the port opens."""
+    minilm = resolve_model_dir("sentence-transformers/all-MiniLM-L6-v2")
+    started = subprocess.run(
+        [
+            sys.executable, "-m", "app", "--model-id", f"minilm={minilm}",
+            "--model-id", f"embedder={folders['embedder']}", "--dtype", "float32",
+            "--devices", "cpu", "--memory-budget-mb", "80",
+            "--host", "127.0.0.1", "--port", str(free_port()),
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert started.returncode == 1, started.stderr
+    assert "minilm: 87 MiB, embedder: 0 MiB" in started.stderr
+    assert "more than memory_budget_mb 80" in started.stderr
+    assert "ready" not in started.stderr
 
 
 async def test_with_one_model_the_model_field_is_not_checked(tiny_checkpoint: Path) -> None:

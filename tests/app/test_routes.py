@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import re
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -221,7 +222,8 @@ async def test_operations_routes(tiny_checkpoint: Path) -> None:
     assert info["dimensions"] == 32 and info["max_input_tokens"] == 48
     assert info["pooling"] == ["mean"] and info["device"] == "cpu" and info["dtype"] == "float32"
     assert info["hidden_size"] == 32 and info["dense"] == [] and info["include_prompt"]
-    assert info["limits"]["max_batch_tokens"] > 0 and info["version"]
+    assert info["limits"]["max_batch_tokens"] > 0
+    assert info["version"] == version("embedding-server")  # the installed package's metadata
     assert info["limits"]["max_queue_wait"] == 7.5
     assert health.json() == {"status": "ok"} and live.json() == {"status": "ok"}
     for name in (
