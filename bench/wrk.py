@@ -132,7 +132,7 @@ class Server:
     def peak_rss_mib(self) -> float:
         """VmHWM, the most resident memory a process has had so far, summed over the server
         and its child processes (engines and front ends, under the split placement)."""
-        pids = [self.process.pid, *_children(self.process.pid)]
+        pids = [self.process.pid, *children(self.process.pid)]
         return sum(_peak_kib(pid) for pid in pids) / 1024
 
     def info(self) -> dict[str, object]:
@@ -143,7 +143,7 @@ class Server:
         """Read from /proc: a thread's CPU is fields 14 and 15 (utime, stime) of its stat."""
         tick = os.sysconf("SC_CLK_TCK")
         main = rest = 0.0
-        for pid in [self.process.pid, *_children(self.process.pid)]:
+        for pid in [self.process.pid, *children(self.process.pid)]:
             for task in Path(f"/proc/{pid}/task").glob("*"):
                 try:
                     fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
@@ -197,7 +197,7 @@ def core_list(cores: str) -> list[int]:
     return found
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     children = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(child) for child in children.read_text().split()] if children.exists() else []
 

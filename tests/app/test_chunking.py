@@ -269,6 +269,22 @@ async def test_chunking_refuses_what_it_cannot_do(tiny_checkpoint: Path) -> None
             assert "Traceback" not in response.text
 
 
+@pytest.mark.parametrize("mode", ["late", "independent"])
+async def test_chunked_work_counts_against_the_request_token_limit(
+    tiny_checkpoint: Path, mode: str
+) -> None:
+    """What the encoder would run for a chunked text (its windows, or each chunk with its
+    special tokens) is held to max_request_tokens like any request's tokens."""
+    settings = make_settings(tiny_checkpoint, max_request_tokens=64)
+    body = {"inputs": DOCUMENT, "chunking": {"mode": mode, "size": 8}}
+    async with running_app(settings) as (_, client):
+        refused = await client.post("/embed_chunks", json=body)
+        short = await client.post("/embed_chunks", json={**body, "inputs": "hello world"})
+    assert refused.status_code == 413, refused.text
+    assert "more than the limit of 64" in refused.text, refused.text
+    assert short.status_code == 200
+
+
 async def test_a_classifier_refuses_chunking_with_424(tmp_path: Path) -> None:
     save_task_model(tmp_path, transformers.BertForSequenceClassification, "bert", **labelled(1))
     async with running_app(make_settings(tmp_path)) as (_, client):

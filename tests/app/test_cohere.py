@@ -3,6 +3,8 @@ itself is tested in test_clients.py)."""
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,38 @@ async def test_v2_embed_answers_in_cohere_shape_with_the_vectors_of_embed(
     assert body["meta"]["api_version"] == {"version": "2"}
     assert body["meta"]["billed_units"]["input_tokens"] == int(response.headers["x-compute-tokens"])
     assert list(default.json()["embeddings"]) == ["float"]  # Cohere's default type
+
+
+async def test_input_type_embeds_with_the_folders_prompt(tiny_checkpoint: Path) -> None:
+    """search_query takes the folder's `query` prompt, as /embed's prompt_name does; an input
+    type the folder has no prompt for takes the default (none here); base64 is the floats'
+    little-endian bytes."""
+    (tiny_checkpoint / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"query": "the quick ", "passage": ""}})
+    )
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        prompted = await client.post("/embed", json={"inputs": TEXTS, "prompt_name": "query"})
+        plain = (await client.post("/embed", json={"inputs": TEXTS})).json()
+        cohere = {
+            input_type: (
+                await client.post(
+                    "/v2/embed",
+                    json={
+                        "texts": TEXTS,
+                        "input_type": input_type,
+                        "embedding_types": ["float", "base64"],
+                    },
+                )
+            ).json()["embeddings"]
+            for input_type in ("search_query", "search_document", "classification")
+        }
+    assert not np.allclose(prompted.json(), plain, atol=1e-3)  # the prompt changes the vector
+    assert np.allclose(cohere["search_query"]["float"], prompted.json(), atol=1e-6)
+    assert np.allclose(cohere["search_document"]["float"], plain, atol=1e-6)
+    assert np.allclose(cohere["classification"]["float"], plain, atol=1e-6)
+    for embeddings in cohere.values():
+        decoded = [np.frombuffer(base64.b64decode(v), dtype="<f4") for v in embeddings["base64"]]
+        assert np.array_equal(np.stack(decoded), np.array(embeddings["float"], dtype=np.float32))
 
 
 async def test_truncate_none_refuses_a_long_text_and_start_keeps_its_end(
