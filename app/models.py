@@ -63,10 +63,10 @@ class ServedModels(Mapping[str, EmbeddingService]):
         are served, else the first."""
         if named is not None:
             return named
+        if len(self) == 1:  # before the lookup: a missing attribute costs pydantic a raise
+            return self.default
         asked = getattr(body, "model", None)
-        if isinstance(asked, str) and len(self) > 1:
-            return self[asked]
-        return self.default
+        return self[asked] if isinstance(asked, str) else self.default
 
     def only(self, service: EmbeddingService) -> ServedModels:
         """The one model a `/models/{name}/` path chose, as a set of one."""
