@@ -64,6 +64,14 @@ class Metrics:
             ["model", "threads"],
             registry=r,
         )
+        self.forward_cpu_seconds = Counter(
+            "embed_forward_cpu_seconds",
+            "CPU time of the thread that ran the forward passes, during them (its OpenMP "
+            "workers' not counted): below embed_inference_duration_seconds' sum by the time "
+            "passes waited, for a core or a GPU.",
+            per_model,
+            registry=r,
+        )
         self.inputs = Counter("embed_inputs", "Inputs embedded.", per_model, registry=r)
         self.tokens = Counter(
             "embed_tokens", "Tokens embedded (padding excluded).", per_model, registry=r
@@ -162,6 +170,7 @@ class ModelMetrics:
         self.tokenization_seconds = metrics.tokenization_seconds.labels(model)
         self.queue_seconds = metrics.queue_seconds.labels(model)
         self.inference_seconds = metrics.inference_seconds.labels(model)
+        self.forward_cpu_seconds = metrics.forward_cpu_seconds.labels(model)
         self.input_tokens = metrics.input_tokens.labels(model)
 
     def forward_pass(self, threads: int) -> None:

@@ -27,6 +27,8 @@ UNROUTABLE = re.compile(r"[\s?#%]")
 
 
 # The settings a models file may set per model; the others are the server's.
+# The batch wait on a CPU, where one full pass beats two half ones (Settings.batch_wait).
+CPU_BATCH_WAIT_MS = 50.0
 PER_MODEL_SETTINGS = frozenset(
     {
         "task",
@@ -96,7 +98,8 @@ class Settings(BaseSettings):
     """Built once at start-up and passed to the app factory; never read at import time."""
 
     # The served models, read from `model_id` or `models_file` when the settings are made.
-    _served: list[ServedModel] = PrivateAttr(default_factory=list)
+    # A tuple: copies of these settings (model_copy, for_model) share it.
+    _served: tuple[ServedModel, ...] = PrivateAttr(default=())
 
     model_config = SettingsConfigDict(
         env_prefix="EMBED_",
@@ -212,7 +215,7 @@ class Settings(BaseSettings):
         description=(
             "Most milliseconds the worker keeps waiting for a fuller batch while inputs keep "
             "arriving (it stops after 2 ms without one): throughput against latency under load. "
-            "Default: 50 on a CPU, 0 on a GPU."
+            f"Default: {CPU_BATCH_WAIT_MS:g} on a CPU, 0 on a GPU."
         ),
     )
     max_inputs_per_request: int = Field(
@@ -322,7 +325,7 @@ class Settings(BaseSettings):
 
     def models(self) -> list[ServedModel]:
         """The served models, in order, each with its name (read once, when validated)."""
-        return self._served
+        return list(self._served)
 
     def _read_models_file(self, path: Path) -> list[ServedModel]:
         try:
@@ -361,7 +364,7 @@ class Settings(BaseSettings):
         device while clients come back (measured: docs/benchmarks.md)."""
         if self.batch_wait_ms is not None:
             return self.batch_wait_ms / 1000
-        return 0.0 if device.startswith("cuda") else 0.05
+        return 0.0 if device.startswith("cuda") else CPU_BATCH_WAIT_MS / 1000
 
     def on_gpu(self) -> bool:
         return any(device.startswith("cuda") for device in self.devices)
@@ -427,8 +430,9 @@ class Settings(BaseSettings):
             served = self._read_models_file(self.models_file)
         names = [each.name for each in served]
         if len(set(names)) < len(names):
-            raise ValueError(f"two models have one name: {names}; name them with name=folder")
-        self._served = served
+            how = "with name=folder" if self.models_file is None else 'by their "name"'
+            raise ValueError(f"two models have one name: {names}; name them apart {how}")
+        self._served = tuple(served)
         for each in served:
             try:
                 self.for_model(each)

@@ -32,14 +32,16 @@ def main() -> None:
     try:
         server.wait_ready()
         load = next(load for load in LOADS if load.name == "32 x 1 short")
-        run_wrk(
+        result = run_wrk(
             server.url,
             bodies(load),
             connections=load.clients,
             seconds=args.seconds,
-            vectors=1,
-            dimension=384,
+            vectors=load.inputs,
+            dimension=int(str(server.info()["dimensions"])),
         )
+        if result.bad or result.socket_errors:
+            raise SystemExit(f"the load failed: {result.first_bad}")
         print(f"after {args.seconds:.0f} s of {load.name}: process, RSS MiB, PSS MiB")
         total = 0
         for pid in [server.process.pid, *children(server.process.pid)]:

@@ -4,7 +4,7 @@ In one run, one process at a time, for each dtype:
 1. The ceiling, in a child process: the encoder on the same texts, tokenization included,
    sorted by length, in batches of 32, for short sentences and long passages; and the p50 of
    one single-sentence call (tokenize, forward, pool).
-2. The real server (`python -m app`, loopback) under wrk pinned to one core: 1 x 1, 32 x 1,
+2. The real server (`python -m app`, loopback) under wrk on --client-cores: 1 x 1, 32 x 1,
    4 x 32 and 256 x 1 short sentences, and 32 x 1 long passages (clients x inputs per request),
    every response checked (status, vector count, dimension).
 Rounds alternate the two, each with a fresh server, and each figure keeps its best round:
@@ -37,7 +37,7 @@ from model import DEFAULT_MODEL_ID
 
 RESULTS = Path(__file__).resolve().parent / "results" / "server.json"
 BATCH = 32
-DIMENSION = 384
+DIMENSION = 384  # the default model's
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,9 @@ def ceiling(dtype: str, args: argparse.Namespace) -> dict[str, float]:
     from model import Embedder
 
     torch.set_num_threads(args.threads)
-    embedder = Embedder.load(args.model_id, device=args.device, dtype=dtype, prepack=args.prepack)
+    embedder = Embedder.load(
+        args.model_id or DEFAULT_MODEL_ID, device=args.device, dtype=dtype, prepack=args.prepack
+    )
     embedder.capture_graphs()  # as the server does at start-up (none on the CPU)
     figures: dict[str, float] = {}
     for name, texts in (("short", short_sentences(2048)), ("long", long_passages(256))):
@@ -102,8 +104,7 @@ def measure_ceiling(dtype: str, args: argparse.Namespace) -> dict[str, float]:
         str(args.threads),
         "--device",
         args.device,
-        "--model-id",
-        args.model_id,
+        *(["--model-id", args.model_id] if args.model_id else []),
         *([] if args.prepack else ["--no-prepack"]),
     ]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
@@ -129,7 +130,13 @@ class LoadRun:
     busy: float  # share of the run each worker spent in forward passes
 
 
-def run_load(server: Server, load: Load, seconds: float, client_cores: str = WRK_CORE) -> LoadRun:
+def run_load(
+    server: Server,
+    load: Load,
+    seconds: float,
+    client_cores: str = WRK_CORE,
+    dimension: int = DIMENSION,
+) -> LoadRun:
     cpu, batches = server.cpu(), server.batches()
     result = run_wrk(
         server.url,
@@ -137,7 +144,7 @@ def run_load(server: Server, load: Load, seconds: float, client_cores: str = WRK
         connections=load.clients,
         seconds=seconds,
         vectors=load.inputs,
-        dimension=DIMENSION,
+        dimension=dimension,
         cores=client_cores,
     )
     # Read before settling, so that the probes do not count: the work still running for
@@ -159,7 +166,7 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
     ceilings = []
     results: dict[str, list[LoadRun]] = {load.name: [] for load in LOADS}
     rss: dict[str, float] = {}
-    flags = ["--dtype", dtype, "--model-id", args.model_id]
+    flags = ["--dtype", dtype, *(["--model-id", args.model_id] if args.model_id else [])]
     if engines_in(args.server) == 1:
         flags += ["--devices", args.device, "--threads", str(args.threads)]
     # Else each engine's threads are the server's default, its share of the CPUs: the
@@ -174,10 +181,12 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
         try:
             server.wait_ready()
             info = server.info()
+            dimension = int(str(info["dimensions"]))
             for load in LOADS:  # warm-up: the first seconds of a fresh server are slower
-                run_load(server, load, 2, args.client_cores)
+                run_load(server, load, 2, args.client_cores, dimension)
             for load in LOADS:
-                results[load.name].append(run_load(server, load, args.seconds, args.client_cores))
+                run = run_load(server, load, args.seconds, args.client_cores, dimension)
+                results[load.name].append(run)
                 rss[load.name] = max(rss.get(load.name, 0.0), server.peak_rss_mib())
         finally:
             server.stop()
@@ -239,7 +248,10 @@ def main() -> None:
         help="the ceiling's, and the server's unless several --devices",
     )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU figures")
-    parser.add_argument("--model-id", default=DEFAULT_MODEL_ID, help="the model, as the server's")
+    parser.add_argument(
+        "--model-id",
+        help="the model folder, for the ceiling and the server (default: the default model)",
+    )
     parser.add_argument(
         "--client-cores",
         default=WRK_CORE,

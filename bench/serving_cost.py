@@ -13,7 +13,7 @@ warm-up. Its CPU per request is the utime + stime of its whole process tree (the
 process and all its descendants, from /proc) over the measured run, over the requests wrk
 completed; each keeps its best round (the lowest CPU per request), and server/floor is what
 the server spends beyond the floor. When the server runs its engine in processes of its own
-(named embed-engine), their CPU per input outside the forward passes (whose time /metrics
+(named embed-engine), their CPU per input outside the forward passes (whose CPU time /metrics
 gives) is printed too. All is written to bench/results/serving_cost.json.
 Usage: python -m bench.serving_cost [--seconds 8] [--rounds 2] [--port N] [-- SERVER FLAGS]
 """
@@ -48,7 +48,9 @@ CONNECTIONS = 32
 WARM_UP_SECONDS = 2
 DIMENSION = 32
 ENGINE_NAME = "embed-engine"  # the name (/proc/PID/comm) of the split placement's engines
-FORWARD_SECONDS = "embed_inference_duration_seconds_sum"
+# The forward passes' CPU time, not their duration: pinned to one core beside the front ends,
+# a pass's duration includes the time it waited for that core.
+FORWARD_SECONDS = "embed_forward_cpu_seconds_total"
 INPUTS = "embed_inputs_total"
 # The default model's tokenizer and its settings (sentence_bert_config.json: its truncation),
 # so that the tiny model tokenizes as the default does.
@@ -190,7 +192,7 @@ class Engine:
 
     processes: int
     cpu_seconds: float
-    forward_seconds: float  # with --threads 1, a pass's duration is its CPU time
+    forward_seconds: float  # CPU time; with --threads 1 a pass runs on one thread
     inputs: float
 
     @property

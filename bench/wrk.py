@@ -1,6 +1,6 @@
 """Driving the real server with wrk, a C load generator that costs the server little.
 
-wrk runs pinned to one core (taskset), cycling through prepared request bodies with
+wrk runs pinned to its cores (taskset; one by default), cycling through prepared bodies with
 lua/embed.lua, which checks every answer (status, vector count, dimension).
 """
 
@@ -198,8 +198,9 @@ def core_list(cores: str) -> list[int]:
 
 
 def children(pid: int) -> list[int]:
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(child) for child in children.read_text().split()] if children.exists() else []
+    """The pids of `pid`'s child processes."""
+    listing = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in listing.read_text().split()] if listing.exists() else []
 
 
 def _peak_kib(pid: int) -> int:

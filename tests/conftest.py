@@ -45,6 +45,17 @@ FULL_TIER_TESTS: dict[str, set[str]] = {
     "tests/app/test_models.py": {
         "test_a_model_that_cannot_load_fails_the_start_with_its_name",
         "test_a_server_over_its_memory_budget_refuses_to_start",
+        # Three models' servers, and each model's alone, on every route.
+        "test_each_model_answers_as_it_does_alone",
+        "test_requests_to_three_models_interleave_without_cross_talk",
+    },
+    # Property tests of a second or more (the others stay in the fast tier).
+    "tests/app/test_properties.py": {
+        "test_no_body_gets_a_5xx_or_a_traceback",
+        "test_any_text_gets_a_vector_or_says_why",
+    },
+    "tests/app/test_chunking.py": {
+        "test_a_document_of_100000_characters_is_answered_or_refused_with_413"
     },
     "tests/app/test_faults.py": {"test_start_up_objects_are_frozen_out_of_the_cyclic_collector"},
     # schemathesis over every operation, per model.

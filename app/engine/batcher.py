@@ -360,7 +360,7 @@ class Batcher:
         self.metrics.batch_size.observe(len(batch))
         self.metrics.batch_tokens.observe(padded)
         self.metrics.padding_ratio.observe(1 - sum(lengths) / padded if padded else 0.0)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         # After a failure, how the batch runs again: outside the `except` blocks, whose
         # traceback holds the failed pass's tensors (the memory an OOM retry needs).
         retry: Callable[[list[WorkItem]], None] | None = None
@@ -381,6 +381,7 @@ class Batcher:
         seconds = time.perf_counter() - started
         self.record_pace(seconds, sum(lengths))
         self.metrics.inference_seconds.observe(seconds)
+        self.metrics.forward_cpu_seconds.inc(time.thread_time() - cpu_started)
         self._deliver_finished(batch, output, started, seconds)
 
     def record_pace(self, seconds: float, tokens: int) -> None:

@@ -48,14 +48,15 @@ async def test_v2_embed_answers_in_cohere_shape_with_the_vectors_of_embed(
 
 
 async def test_input_type_embeds_with_the_folders_prompt(tiny_checkpoint: Path) -> None:
-    """search_query takes the folder's `query` prompt, as /embed's prompt_name does; an input
-    type the folder has no prompt for takes the default (none here); base64 is the floats'
-    little-endian bytes."""
+    """search_query takes the folder's `query` prompt and search_document its `passage`, as
+    /embed's prompt_name does; an input type the folder has no prompt for takes the default
+    (none here); base64 is the floats' little-endian bytes."""
     (tiny_checkpoint / "config_sentence_transformers.json").write_text(
-        json.dumps({"prompts": {"query": "the quick ", "passage": ""}})
+        json.dumps({"prompts": {"query": "the quick ", "passage": "lazy "}})
     )
     async with running_app(make_settings(tiny_checkpoint)) as (_, client):
         prompted = await client.post("/embed", json={"inputs": TEXTS, "prompt_name": "query"})
+        passage = await client.post("/embed", json={"inputs": TEXTS, "prompt_name": "passage"})
         plain = (await client.post("/embed", json={"inputs": TEXTS})).json()
         cohere = {
             input_type: (
@@ -70,9 +71,10 @@ async def test_input_type_embeds_with_the_folders_prompt(tiny_checkpoint: Path) 
             ).json()["embeddings"]
             for input_type in ("search_query", "search_document", "classification")
         }
-    assert not np.allclose(prompted.json(), plain, atol=1e-3)  # the prompt changes the vector
+    assert not np.allclose(prompted.json(), plain, atol=1e-3)  # a prompt changes the vector
+    assert not np.allclose(passage.json(), plain, atol=1e-3)
     assert np.allclose(cohere["search_query"]["float"], prompted.json(), atol=1e-6)
-    assert np.allclose(cohere["search_document"]["float"], plain, atol=1e-6)
+    assert np.allclose(cohere["search_document"]["float"], passage.json(), atol=1e-6)
     assert np.allclose(cohere["classification"]["float"], plain, atol=1e-6)
     for embeddings in cohere.values():
         decoded = [np.frombuffer(base64.b64decode(v), dtype="<f4") for v in embeddings["base64"]]

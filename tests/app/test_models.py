@@ -54,8 +54,8 @@ MODELS: list[tuple[str, str, list[tuple[str, dict[str, Any]]]]] = [
     ),
     ("splade", "splade", [("/embed_sparse", {"inputs": TEXTS}), ("/", {"inputs": TEXTS})]),
 ]
-# Fields that differ between any two answers: the served name (alone, the folder) and
-# Cohere's response id.
+# An answer's own fields that differ between any two answers: the served name (alone, the
+# folder) and Cohere's response id. Nested fields (a token's id) are all compared.
 UNCOMPARED = frozenset({"model", "id"})
 
 
@@ -70,19 +70,19 @@ def several(folders: dict[str, Path], **overrides: Any) -> Settings:
     return make_settings(folders["embedder"], model_id=specs, **overrides)
 
 
-def same(got: Any, expected: Any) -> None:
+def same(got: Any, expected: Any, top: bool = True) -> None:
     """Equal answers; floats to float32's rounding (the same model, another batch)."""
     if isinstance(expected, float):
         assert got == pytest.approx(expected, abs=1e-5)
     elif isinstance(expected, list):
         assert len(got) == len(expected)
         for a, b in zip(got, expected, strict=True):
-            same(a, b)
+            same(a, b, top=False)
     elif isinstance(expected, dict):
         assert got.keys() == expected.keys()
         for key in expected:
-            if key not in UNCOMPARED:
-                same(got[key], expected[key])
+            if not (top and key in UNCOMPARED):
+                same(got[key], expected[key], top=False)
     else:
         assert got == expected
 
@@ -332,3 +332,17 @@ def test_a_models_file_refuses_what_a_model_cannot_set(tmp_path: Path) -> None:
         Settings(models_file=models_file)
     with pytest.raises(ValueError, match="not both"):
         Settings(models_file=models_file, model_id="/b")
+
+
+def test_two_models_of_one_name_are_refused_with_how_to_name_them(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as flags:
+        Settings(model_id=["a=/x", "a=/y"])
+    assert "two models have one name: ['a', 'a']; name them apart with name=folder" in str(
+        flags.value
+    )
+    models_file = tmp_path / "models.json"
+    models_file.write_text(json.dumps([{"name": "a", "model_id": "/x"}, {"model_id": "a"}]))
+    with pytest.raises(ValueError) as listed:
+        Settings(models_file=models_file)
+    assert "one name: ['a', 'a']; name them apart by their \"name\"" in str(listed.value)
+    assert [m.name for m in Settings(model_id=["a=/x", "b=/x"]).models()] == ["a", "b"]

@@ -245,6 +245,13 @@ async def test_operations_routes(tiny_checkpoint: Path) -> None:
         assert name in metrics, name
     assert 'embed_requests_total{route="/embed",status="200"} 1.0' in metrics
     assert re.search(r'^embed_inputs_total\{model="[^"]+tiny"\} 2.0$', metrics, re.M)
+    # The passes' CPU time (one thread's): some, and never more than their duration.
+    cpu = re.search(r'^embed_forward_cpu_seconds_total\{model="[^"]+"\} (\S+)$', metrics, re.M)
+    wall = re.search(
+        r'^embed_inference_duration_seconds_sum\{model="[^"]+"\} (\S+)$', metrics, re.M
+    )
+    assert cpu is not None and wall is not None
+    assert 0 < float(cpu.group(1)) <= float(wall.group(1)) + 1e-3
     for path in ("/embed", "/embed_all", "/tokenize", "/v1/embeddings", "/encode", "/info"):
         assert {"413", "422", "429", "503", "504"} <= set(
             docs["paths"][path]["post" if path != "/info" else "get"]["responses"]
