@@ -29,13 +29,22 @@ def minilm() -> Embedder:
 
 # The two tiers. `make check` runs `pytest -m "not slow"`: the tests that start no real
 # process, drive no browser or load balancer, and take well under a second each. `make test`
-# runs everything. Modules that start a real server, a browser or HAProxy mark themselves
-# `slow`; the tests below are marked here, by what `pytest --durations` showed: each over
-# about a second, or starting processes of its own. So is every test run against the split
-# placement, which starts an engine process.
+# runs everything. The modules below belong to the full tier whole (a real server, a browser,
+# HAProxy or wrk in every test): the fast tier does not even import them. The tests after
+# them are marked here, by what `pytest --durations` showed: each over about a second, or
+# starting processes of its own. So is every test run against the split placement, which
+# starts an engine process.
 FULL_TIER_PATHS = (
     "tests/browser/",
     "tests/app/test_remote_engine.py",  # an engine process per test
+    "tests/app/test_clients.py",
+    "tests/app/test_server_process.py",
+    "tests/app/test_signals.py",
+    "tests/app/test_slow_clients.py",
+    "tests/app/test_split.py",
+    "tests/bench/test_soak.py",
+    "tests/deploy/test_compose_topology.py",
+    "tests/docs/test_examples.py",
 )
 FULL_TIER_TESTS: dict[str, set[str]] = {
     "tests/app/test_cores.py": {"test_a_worker_killed_mid_pass_blocks_nobody"},
@@ -85,6 +94,15 @@ FULL_TIER_TESTS: dict[str, set[str]] = {
         "test_cross_encoder_whose_tokenizer_gives_no_segment_ids",
     },
 }
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The fast tier (`-m "not slow"`) leaves the full tier's modules unimported: importing
+    them (the clients, the browser driver) costs seconds of a run meant to take one minute."""
+    if config.getoption("markexpr") != "not slow":
+        return None
+    relative = collection_path.relative_to(config.rootpath).as_posix()
+    return relative.startswith(FULL_TIER_PATHS) or None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

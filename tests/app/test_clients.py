@@ -20,7 +20,6 @@ from llama_index.embeddings.text_embeddings_inference import TextEmbeddingsInfer
 
 from tests.app.test_server_process import ServerProcess
 
-pytestmark = pytest.mark.slow
 TEXTS = ["The cat sits on the mat.", "A dog plays in the park.", "Größe 東京 🚀"]
 TOLERANCE = 1e-6
 

@@ -20,7 +20,7 @@ import torch
 from model import Embedder
 from model.device import resolve_dtype
 
-pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+pytestmark = pytest.mark.anyio
 LONG_TEXT = "throughput latency batching padding " * 50  # about 200 tokens after truncation
 
 

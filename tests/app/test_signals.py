@@ -11,7 +11,7 @@ import pytest
 
 from tests.app.test_server_process import LONG_TEXT, ServerProcess
 
-pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+pytestmark = pytest.mark.anyio
 
 
 async def test_a_second_sigterm_during_the_drain_exits_at_once(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ import pytest
 from tests.app.test_server_process import ServerProcess
 from tests.helpers import make_random_checkpoint
 
-pytestmark = pytest.mark.slow
 KEY = "s3cret"
 BODY_TIMEOUT = 5
 MAX_CONNECTIONS = 4

@@ -22,8 +22,6 @@ import pytest
 from app.balance import ConnectionBalance
 from tests.app.test_server_process import ServerProcess, free_port
 
-pytestmark = pytest.mark.slow
-
 
 def children_of(supervisor: int, name: str) -> list[int]:
     """The supervisor's children named `name` (embed-engine, embed-frontend) in ps."""

@@ -5,11 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.browser.conftest import RecordedPage, Server
-
-pytestmark = pytest.mark.slow
 
 
 def operations(server: Server) -> dict[str, tuple[str, str]]:

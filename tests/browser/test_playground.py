@@ -6,11 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from tests.browser.conftest import API_KEY, MAX_ATTENTION_VALUES, RecordedPage, Server
-
-pytestmark = pytest.mark.slow
 
 SENTENCES = [
     "A man is playing a guitar.",

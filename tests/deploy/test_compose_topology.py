@@ -35,7 +35,6 @@ from tests.deploy.topology import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
 HOSTS = ["127.0.0.2", "127.0.0.3"]
 REPLICA_FLAGS = ("--devices", "cpu", "--threads", "1", "--shutdown-grace", "20", "--access-log")
 READY_LINE = "app.engine.model_engine: ready:"

@@ -21,7 +21,6 @@ import pytest
 
 from tests.app.test_server_process import ServerProcess
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 ADDRESS = "localhost:8080"
