@@ -167,7 +167,9 @@ def run_schemathesis(app: FastAPI, *, headers: dict[str, str] | None = None) -> 
         chunking = body.get("chunking")
         if not isinstance(chunking, dict):
             return False
-        if body.get("token_embeddings") or body.get("attention") or body.get("pooled") is False:
+        # `attention: {}` asks for maps too (every layer and head): present, not truthy.
+        wants_more = body.get("token_embeddings") or body.get("attention") is not None
+        if wants_more or body.get("pooled") is False:
             return True
         if any(not isinstance(item, str) for item in texts_in(body.get("inputs"))):
             return True  # token ids: chunks are located by characters
