@@ -262,6 +262,11 @@ class Supervisor:
         if process in self.engines and self.shared.cores is not None:
             self.shared.cores.forget(self.engines.index(process))  # its cores are free
         code = _shell_code(process.exitcode or 0)
+        if self.stopping.is_set() and process.exitcode in (-signal.SIGTERM, -signal.SIGINT):
+            # The stop signal killed it before its handler was set: it was still starting
+            # (a spawned interpreter has default handlers), so nothing was in flight.
+            log.info("%s stopped while it started", process.name)
+            code = 0
         self.code = self.code or code
         if not self.stopping.is_set():
             log.error("%s exited with %d: stopping the others", process.name, process.exitcode)

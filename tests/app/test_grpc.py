@@ -575,7 +575,7 @@ def grpc_server(
         flags += ["--placement", "split", "--frontends", str(frontends)]
     process = ServerProcess(folder, *flags, threads="1")
     try:
-        process.wait_ready()
+        process.wait_ready(frontends=frontends)
         yield GrpcProcess(process, f"127.0.0.1:{port}", frontends)
     finally:
         process.stop()

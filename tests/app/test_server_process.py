@@ -60,15 +60,19 @@ class ServerProcess:
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
 
-    def wait_ready(self, within: float = 120.0) -> None:
+    def wait_ready(self, within: float = 120.0, frontends: int = 0) -> None:
+        """Until /health says 200 and `frontends` HTTP processes have logged their start-up
+        (/health is answered by whichever the kernel picks, while others may still start)."""
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log.read_text()
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
+                healthy = httpx.get(f"{self.url}/health", timeout=1).status_code == 200
             except httpx.TransportError:
-                pass
+                healthy = False
+            started = self.log.read_text().count("Application startup complete")
+            if healthy and started >= frontends:
+                return
             time.sleep(0.2)
         raise AssertionError(f"server not ready:\n{self.log.read_text()}")
 

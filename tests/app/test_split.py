@@ -68,7 +68,8 @@ def start(tmp_path: Path, checkpoint: Path, *flags: str, devices: str = "cpu") -
         tmp_path, "--model-id", str(checkpoint), "--placement", "split", "--access-log",
         *flags, devices=devices, threads="1",
     )  # fmt: skip
-    server.wait_ready()
+    frontends = int(flags[flags.index("--frontends") + 1]) if "--frontends" in flags else 0
+    server.wait_ready(frontends=frontends)
     return server
 
 
@@ -90,6 +91,23 @@ def split(tmp_path: Path, tiny_checkpoint: Path) -> Iterator[ServerProcess]:
         if server.process.poll() is None:
             server.process.kill()
             server.process.wait()
+
+
+def test_a_stop_while_front_ends_start_exits_cleanly(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    """A front end spawned a moment ago has no handler yet: the stop kills it, and the
+    container's exit still says a clean stop."""
+    server = ServerProcess(
+        tmp_path, "--model-id", str(tiny_checkpoint), "--placement", "split", "--frontends", "2",
+        threads="1",
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while "front end(s) on" not in server.log.read_text():
+        assert server.process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=60) == 0, server.log.read_text()
+    log = server.log.read_text()
+    assert "stopped while it started" in log and "Traceback" not in log
 
 
 def test_front_ends_share_the_port_and_one_scrape_shows_every_process(
