@@ -4,6 +4,7 @@ processes under a supervisor (app/supervisor.py)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -29,12 +30,20 @@ def load_settings(argv: list[str] | None) -> Settings:
         sys.exit(f"embedding-server: invalid setting: {problems}")
 
 
+# Device files that GPU drivers make (NVIDIA's, ROCm's, WSL's): where none exists, CUDA
+# cannot be available, and `auto` is the CPU without asking torch.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
 def placed(settings: Settings) -> Settings:
     """The settings on the devices this machine has (`auto` found, and on a CPU as many
     engines as measure best, see Settings.placed_on); ConfigError unless every device can
-    work. Asked of a child process, so that a supervisor never imports torch."""
+    work. Asked of a child process, so that a supervisor never imports torch, unless no GPU
+    driver is there: the child's import of torch is seconds of every start."""
     if all(device == "cpu" for device in settings.devices):
         return settings
+    if settings.devices == ["auto"] and not any(map(os.path.exists, GPU_DEVICE_FILES)):
+        return settings.placed_on(["cpu"])
     return settings.placed_on(resolve_devices_in_child(settings.devices))
 
 

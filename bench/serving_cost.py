@@ -5,7 +5,7 @@ own (taskset; wrk on another, as bench/wrk.py pins it):
 1. The floor (bench/floor_app.py): a raw ASGI app under uvicorn (uvloop, httptools) doing
    only what no Python front end can skip per POST /embed: read the body, parse it with
    orjson, tokenize the input once, write a fixed vector of 32 floats with orjson.
-2. The server (`python -m app --device cpu --dtype float32 --threads 1`, plus the flags
+2. The server (`python -m app --devices cpu --dtype float32 --threads 1`, plus the flags
    after --) on a tiny random model (BERT, 1 layer, hidden 32, 2 heads) with the default
    model's tokenizer, so that its forward passes cost little beside everything around them.
 Each takes 32 wrk connections of one short sentence per request for --seconds after 2 s of

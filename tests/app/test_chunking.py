@@ -196,7 +196,10 @@ async def test_late_differs_from_independent(tiny_checkpoint: Path) -> None:
             answer = (await client.post("/embed_chunks", json=body)).json()[0]
             vectors[mode] = np.array([chunk["embedding"] for chunk in answer])
     assert vectors["late"].shape == vectors["independent"].shape
-    assert cosines(vectors["late"], vectors["independent"]).max() < 0.999
+    # Alike they would be to rounding (1e-6); how far each moves depends on the weights.
+    distances = np.linalg.norm(vectors["late"] - vectors["independent"], axis=1)
+    assert distances.min() > 1e-3
+    assert cosines(vectors["late"], vectors["independent"]).mean() < 0.999
 
 
 async def test_a_document_of_100000_characters_is_answered_or_refused_with_413(

@@ -142,3 +142,25 @@ def test_unknown_model_stops_start_up_before_binding(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit) as stopped:
         main(["--model-id", "nobody/nothing", "--devices", "cpu"])
     assert "nobody/nothing" in str(stopped.value)
+
+
+def test_auto_without_a_gpu_driver_is_the_cpu_without_a_child(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The child that imports torch to find `auto` runs only where a GPU driver is there."""
+    import app.__main__ as entry
+
+    asked: list[list[str]] = []
+
+    def child(devices: list[str]) -> list[str]:
+        asked.append(devices)
+        return ["cuda"]
+
+    monkeypatch.setattr(entry, "resolve_devices_in_child", child)
+    monkeypatch.setattr(entry, "GPU_DEVICE_FILES", (str(tmp_path / "nvidiactl"),))
+    on_cpu = entry.placed(Settings(devices=["auto"]))
+    assert asked == [] and set(on_cpu.devices) == {"cpu"}
+    assert entry.placed(Settings(devices=["cpu", "cpu"])).devices == ["cpu", "cpu"]
+    (tmp_path / "nvidiactl").touch()  # a driver's file: only torch can say whether CUDA works
+    assert entry.placed(Settings(devices=["auto"])).devices == ["cuda"]
+    assert asked == [["auto"]]

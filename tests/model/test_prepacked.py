@@ -27,6 +27,7 @@ TEXTS = [
 # rounding to bfloat16, where the plain ones round first: a bfloat16 step of slack.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
 MIN_COSINE = {torch.float32: 0.99999, torch.bfloat16: 0.9999}
+BF16_STEP = 2**-8  # bfloat16's relative precision
 
 
 def linears(embedder: Embedder) -> tuple[int, int]:
@@ -60,7 +61,8 @@ def test_prepacked_token_embeddings_and_attention_maps(
 ) -> None:
     """The other outputs read the same layers: per-token vectors and the attention maps. In
     float32 they equal the plain layers' to rounding; in bfloat16, where the fused steps round
-    once less, they are no further from float32's than the plain layers' are."""
+    at other places, they are as far from float32's as the plain layers' are, within one
+    bfloat16 step (which way depends on the weights)."""
     if not can_prepack(CPU, dtype):
         pytest.skip(f"oneDNN does not run {dtype} on this CPU")
     packed = Embedder.from_folder(tiny_checkpoint, CPU, dtype)
@@ -77,8 +79,8 @@ def test_prepacked_token_embeddings_and_attention_maps(
         assert token_error(ours, theirs) <= TOLERANCE[dtype]
         assert map_error(ours, theirs) <= TOLERANCE[dtype]
     else:
-        assert token_error(ours, reference) <= token_error(theirs, reference) + 1e-6
-        assert map_error(ours, reference) <= map_error(theirs, reference) + 1e-6
+        assert token_error(ours, reference) <= token_error(theirs, reference) + BF16_STEP
+        assert map_error(ours, reference) <= map_error(theirs, reference) + BF16_STEP
 
 
 def token_error(output: BatchOutput, reference: BatchOutput) -> float:
