@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
-from bench.wrk import free_port
+from bench.wrk import Server
 
 RESULTS = Path(__file__).resolve().parent / "results" / "startup.json"
-# Longest a start may take before the benchmark gives up on it.
-START_LIMIT = 300
+# How often /health is asked: a small share of a start's seconds.
+POLL_SECONDS = 0.02
 
 
 def import_torch_seconds() -> float:
@@ -35,33 +32,22 @@ def import_torch_seconds() -> float:
 
 
 def ready_seconds(placement: str, flags: list[str]) -> float:
-    port = free_port()
-    command = [sys.executable, "-m", "app", "--port", str(port), "--placement", placement, *flags]
     started = time.perf_counter()
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = Server(["--placement", placement, *flags])
     try:
-        while time.perf_counter() - started < START_LIMIT:
-            if server.poll() is not None:
-                raise SystemExit(f"the server exited with {server.returncode}: {command}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return time.perf_counter() - started
-            except httpx.TransportError:
-                pass
-            time.sleep(0.02)
-        raise SystemExit(f"not ready within {START_LIMIT} s: {command}")
+        server.wait_ready(poll=POLL_SECONDS)
+        return time.perf_counter() - started
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
+        server.stop()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--placements", nargs="+", default=["auto", "in-process"])
-    args, flags = parser.parse_known_args()
-    flags = [flag for flag in flags if flag != "--"]
-    flags += ["--drain-delay", "0"]  # stopping is not what is timed
+    parser.add_argument("server", nargs="*", help="after --, flags for the server")
+    args = parser.parse_args()
+    flags = [*args.server, "--drain-delay", "0"]  # stopping is not what is timed
     figures: dict[str, list[float]] = {"import torch": []}
     figures.update({placement: [] for placement in args.placements})
     for _ in range(args.rounds):

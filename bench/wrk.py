@@ -116,7 +116,7 @@ class Server:
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
 
-    def wait_ready(self, within: float = 180) -> None:
+    def wait_ready(self, within: float = 180, poll: float = 0.2) -> None:
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -126,7 +126,7 @@ class Server:
                     return
             except httpx.TransportError:
                 pass
-            time.sleep(0.2)
+            time.sleep(poll)
         raise SystemExit("the server did not become ready")
 
     def peak_rss_mib(self) -> float:

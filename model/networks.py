@@ -1,16 +1,20 @@
 """An encoder's weights, and a task head's beside them, loaded from a folder's checkpoint.
 
-Networks are built on the meta device: no random init, and the loaded tensors become the
-parameters (assign=True) instead of being copied into a second set of them.
+Networks are built on the meta device, with the modules' random starts skipped, and the
+loaded tensors become the parameters (assign=True) instead of being copied into a second set
+of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from model.architectures import Encoder, EncoderConfig
 from model.architectures.base import ConfigReader
@@ -20,11 +24,53 @@ from model.errors import CheckpointError
 from model.folder import FolderSpec
 from model.heads import Head, MaskedLMHead
 
+# How modules draw their random starts (torch.nn.init's functions, each of which asks the
+# active modes first, and the tensor methods under them): every weight here comes from the
+# checkpoint, and on the meta device the first normal_ imports torch._dynamo (seconds of
+# every start-up).
+RANDOM_STARTS = frozenset(
+    {
+        nn.init.normal_,
+        nn.init.uniform_,
+        nn.init.trunc_normal_,
+        nn.init.kaiming_uniform_,
+        nn.init.kaiming_normal_,
+        nn.init.xavier_uniform_,
+        nn.init.xavier_normal_,
+        torch.Tensor.normal_,
+        torch.Tensor.uniform_,
+    }
+)
+
+
+class _NoRandomStarts(TorchFunctionMode):
+    """The random starts as no-ops, on this thread, while it is entered."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: object,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in RANDOM_STARTS:  # torch.nn.init passes its `tensor` by name
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def on_meta() -> Iterator[None]:
+    """Modules built inside are on the meta device, without their random starts: their
+    weights come from a checkpoint."""
+    with torch.device("meta"), _NoRandomStarts():
+        yield
+
 
 def load_network(
     config: EncoderConfig, folder: Path, device: torch.device, dtype: torch.dtype
 ) -> Encoder:
-    with torch.device("meta"):
+    with on_meta():
         network = config.build()
     weights = load_weights(folder, shapes(network), config.checkpoint_prefixes)
     return _finish_network(network, weights, device, dtype)
@@ -39,7 +85,7 @@ def load_network_with_head(
     dtype: torch.dtype,
 ) -> tuple[Encoder, Head]:
     """The encoder and the task's head (built on the meta device) from one checkpoint."""
-    with torch.device("meta"):
+    with on_meta():
         network = config.build()
     head_shapes = shapes(head)
     under_prefix = {k: v for k, v in head_shapes.items() if k.startswith(head.encoder_side)}

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-import torch
 from torch import Tensor, nn
 
 from model.attention import MapRequest
@@ -158,13 +157,6 @@ class Encoder(nn.Module):
 
     def reset_buffers(self) -> None:
         """Recompute buffers that are not in the checkpoint (built on the meta device)."""
-
-
-def embedding_table(rows: int, width: int) -> nn.Embedding:
-    """`nn.Embedding(rows, width)` with its weight left as allocated: every network here takes
-    its weights from a checkpoint, and the default random start, on the meta device where the
-    networks are built, would import torch._dynamo on the way (seconds of every start-up)."""
-    return nn.Embedding(rows, width, _weight=torch.empty(rows, width))
 
 
 def run_layers(

@@ -15,14 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from model.activations import ACTIVATIONS, Activation
-from model.architectures.base import (
-    ConfigReader,
-    Encoder,
-    EncoderConfig,
-    EncoderOutput,
-    embedding_table,
-    run_layers,
-)
+from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
 from model.attention import NO_MAPS, MapRequest, attend
 from model.errors import ConfigError
 from model.packing import TokenLayout, in_row_chunks
@@ -145,16 +138,16 @@ class Embeddings(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.config = config
-        self.word_embeddings = embedding_table(config.vocab_size, config.hidden_size)
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         if config.position_kind == "learned":
-            self.position_embeddings = embedding_table(
+            self.position_embeddings = nn.Embedding(
                 config.max_position_embeddings, config.hidden_size
             )
         else:
             table = sinusoidal_table(config.max_position_embeddings, config.hidden_size)
             self.register_buffer("sinusoidal_positions", table, persistent=False)
         if config.type_vocab_size:
-            self.token_type_embeddings = embedding_table(config.type_vocab_size, config.hidden_size)
+            self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         if config.embedding_layer_norm:
             self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.embedding_scale = math.sqrt(config.hidden_size) if config.scale_embeddings else 1.0

@@ -12,14 +12,7 @@ from typing import ClassVar
 from torch import Tensor, nn
 
 from model.activations import ACTIVATIONS, Activation, activate
-from model.architectures.base import (
-    ConfigReader,
-    Encoder,
-    EncoderConfig,
-    EncoderOutput,
-    embedding_table,
-    run_layers,
-)
+from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
 from model.attention import NO_MAPS, MapRequest, attend
 from model.packing import TokenLayout, in_row_chunks
 
@@ -69,10 +62,8 @@ class Embeddings(nn.Module):
 
     def __init__(self, config: DistilBertConfig) -> None:
         super().__init__()
-        self.word_embeddings = embedding_table(config.vocab_size, config.hidden_size)
-        self.position_embeddings = embedding_table(
-            config.max_position_embeddings, config.hidden_size
-        )
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=LAYER_NORM_EPS)
 
     def forward(self, input_ids: Tensor) -> Tensor:

@@ -21,14 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from model.activations import ACTIVATIONS, Activation, activate
-from model.architectures.base import (
-    ConfigReader,
-    Encoder,
-    EncoderConfig,
-    EncoderOutput,
-    embedding_table,
-    run_layers,
-)
+from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
 from model.attention import NO_MAPS, MapRequest, attend
 from model.errors import ConfigError
 from model.packing import TokenLayout, in_row_chunks
@@ -152,12 +145,12 @@ class Embeddings(nn.Module):
 
     def __init__(self, config: GteConfig) -> None:
         super().__init__()
-        self.word_embeddings = embedding_table(config.vocab_size, config.hidden_size)
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         # One type: every token is type 0 (the reference's later revision zeroes any ids it
         # is given); several: the ids given, type 0 where none are.
         self.type_ids_used = config.type_vocab_size > 1
         if config.type_vocab_size:
-            self.token_type_embeddings = embedding_table(config.type_vocab_size, config.hidden_size)
+            self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None) -> Tensor:

@@ -21,14 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.architectures.base import (
-    ConfigReader,
-    Encoder,
-    EncoderConfig,
-    EncoderOutput,
-    embedding_table,
-    run_layers,
-)
+from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
 from model.attention import NO_MAPS, MapRequest, attend
 from model.packing import TokenLayout, in_row_chunks
 
@@ -123,8 +116,8 @@ class Embeddings(nn.Module):
 
     def __init__(self, config: JinaBertConfig) -> None:
         super().__init__()
-        self.word_embeddings = embedding_table(config.vocab_size, config.hidden_size)
-        self.token_type_embeddings = embedding_table(config.type_vocab_size, config.hidden_size)
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None) -> Tensor:

@@ -14,14 +14,7 @@ from typing import ClassVar
 from torch import Tensor, nn
 
 from model.activations import ACTIVATIONS, Activation, activate
-from model.architectures.base import (
-    ConfigReader,
-    Encoder,
-    EncoderConfig,
-    EncoderOutput,
-    embedding_table,
-    run_layers,
-)
+from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
 from model.attention import NO_MAPS, MapRequest, attend, sliding_window
 from model.errors import ConfigError
 from model.packing import TokenLayout, in_row_chunks
@@ -118,7 +111,7 @@ class Embeddings(nn.Module):
 
     def __init__(self, config: ModernBertConfig) -> None:
         super().__init__()
-        self.tok_embeddings = embedding_table(config.vocab_size, config.hidden_size)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.norm = layer_norm(config)
 
     def forward(self, input_ids: Tensor) -> Tensor:

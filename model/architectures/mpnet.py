@@ -14,14 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from model.activations import ACTIVATIONS, Activation, activate
-from model.architectures.base import (
-    ConfigReader,
-    Encoder,
-    EncoderConfig,
-    EncoderOutput,
-    embedding_table,
-    run_layers,
-)
+from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
 from model.attention import NO_MAPS, MapRequest, attend
 from model.packing import TokenLayout, in_row_chunks
 
@@ -90,10 +83,8 @@ class Embeddings(nn.Module):
 
     def __init__(self, config: MPNetConfig) -> None:
         super().__init__()
-        self.word_embeddings = embedding_table(config.vocab_size, config.hidden_size)
-        self.position_embeddings = embedding_table(
-            config.max_position_embeddings, config.hidden_size
-        )
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -176,7 +167,7 @@ class Stack(nn.Module):
     def __init__(self, config: MPNetConfig) -> None:
         super().__init__()
         self.layer = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
-        self.relative_attention_bias = embedding_table(NUM_BUCKETS, config.num_attention_heads)
+        self.relative_attention_bias = nn.Embedding(NUM_BUCKETS, config.num_attention_heads)
 
     def position_bias(self, width: int) -> Tensor:
         """(1, H, T, T) score bias from each key's offset to each query. Offsets count grid

@@ -24,14 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.architectures.base import (
-    ConfigReader,
-    Encoder,
-    EncoderConfig,
-    EncoderOutput,
-    embedding_table,
-    run_layers,
-)
+from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
 from model.attention import NO_MAPS, MapRequest, attend
 from model.errors import ConfigError
 from model.packing import TokenLayout, in_row_chunks
@@ -223,7 +216,7 @@ class Qwen3Encoder(Encoder):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = embedding_table(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

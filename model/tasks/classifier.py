@@ -16,7 +16,7 @@ from model.errors import ConfigError
 from model.folder import FolderSpec, Metadata, ScoreActivation, TransformerOutputs, score_activation
 from model.heads import classification_head
 from model.info import Task
-from model.networks import load_network_with_head
+from model.networks import load_network_with_head, on_meta
 from model.tasks.base import Fields, Loaded, ModelTask, Modules
 
 OUTPUTS = TransformerOutputs("sequence-classification", "scores", "logits")
@@ -63,7 +63,7 @@ def load(
     device: torch.device,
     dtype: torch.dtype,
 ) -> Loaded:
-    with torch.device("meta"):
+    with on_meta():
         head, labels = classification_head(config, raw)
     _check_score_activation(spec.score_activation, labels)
     network, head = load_network_with_head(config, raw, spec, head, device, dtype)

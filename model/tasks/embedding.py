@@ -26,7 +26,7 @@ from model.folder import (
     read_pooling,
 )
 from model.info import Task
-from model.networks import load_network, shapes
+from model.networks import load_network, on_meta, shapes
 from model.pipeline import Dense, EmbeddingPipeline, Normalize
 from model.tasks.base import Fields, Loaded, ModelTask, Modules
 
@@ -94,7 +94,7 @@ def load_pipeline(spec: FolderSpec, hidden_size: int) -> EmbeddingPipeline:
                     f"{step.folder / 'config.json'}: in_features {step.spec.in_features} does "
                     f"not match the {size} features it receives"
                 )
-            with torch.device("meta"):
+            with on_meta():
                 dense = Dense(step.spec)
             weights = load_weights(step.folder, shapes(dense))
             dense.load_state_dict(weights, strict=True, assign=True)

@@ -17,7 +17,7 @@ from model.errors import ConfigError
 from model.folder import DIMENSION_KEYS, FolderSpec, Metadata, TransformerOutputs, refuse_unknown
 from model.heads import Splade, masked_lm_head
 from model.info import Task
-from model.networks import load_network_with_head
+from model.networks import load_network_with_head, on_meta
 from model.tasks.base import Fields, Loaded, ModelTask, Modules
 
 # SpladePooling's settings and the values implemented.
@@ -74,7 +74,7 @@ def load(
             f"{spec.pooling_file}: embedding dimension {spec.pooling_dimension} does not "
             f"match the vocabulary size {config.vocab_size}"
         )
-    with torch.device("meta"):
+    with on_meta():
         head = masked_lm_head(config, raw, spec.splade or Splade())
     network, loaded = load_network_with_head(config, raw, spec, head, device, dtype)
     return Loaded(network, loaded, config.vocab_size, ())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -181,3 +182,19 @@ def test_max_input_tokens_only_lowers_the_models_limit(tiny_checkpoint: Path) ->
     assert len(cut.ids) == 10 and cut.truncated
     raised = Embedder.from_folder(tiny_checkpoint, CPU, torch.float32, max_input_tokens=10_000)
     assert raised.info.max_input_tokens == 48  # sentence_bert_config's max_seq_length
+
+
+def test_loading_draws_no_random_starts(tiny_checkpoint: Path) -> None:
+    """Every weight comes from the checkpoint: the modules' random starts are skipped while
+    a model is built (on the meta device, the first would import torch._dynamo), and only
+    then: a module built outside gets its usual start."""
+    code = (
+        "import sys, pathlib, torch\n"
+        "from model import Embedder\n"
+        f"folder = pathlib.Path({str(tiny_checkpoint)!r})\n"
+        "Embedder.from_folder(folder, torch.device('cpu'), torch.float32)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+        "print(float(torch.nn.Embedding(64, 8).weight.std()) > 0.5)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.stdout.split() == ["False", "True"], run.stderr
