@@ -26,9 +26,9 @@ from model.info import Task
 UNROUTABLE = re.compile(r"[\s?#%]")
 
 
-# The settings a models file may set per model; the others are the server's.
 # The batch wait on a CPU, where one full pass beats two half ones (Settings.batch_wait).
 CPU_BATCH_WAIT_MS = 50.0
+# The settings a models file may set per model; the others are the server's.
 PER_MODEL_SETTINGS = frozenset(
     {
         "task",
@@ -323,9 +323,9 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
     access_log: bool = Field(False, description="Log every request (costs throughput).")
 
-    def models(self) -> list[ServedModel]:
+    def models(self) -> tuple[ServedModel, ...]:
         """The served models, in order, each with its name (read once, when validated)."""
-        return list(self._served)
+        return self._served
 
     def _read_models_file(self, path: Path) -> list[ServedModel]:
         try:
