@@ -4,7 +4,9 @@
   (this is what sets model.packing.PACKING_MIN_PADDING).
 - Feed-forward chunks of model.packing.FEED_FORWARD_CHUNK tokens against the whole batch.
 - Linear weights prepacked for oneDNN (model/prepacked.py) against torch's `F.linear`, in
-  float32 and bfloat16 (where the CPU runs it), on one sentence and batches of 8 and 32.
+  float32 and bfloat16 (where the CPU runs it), on one sentence and batches of 8 and 32; and
+  one float32 layer of each of several sizes, on row counts that vary from call to call as a
+  server's do (this is what sets model.prepacked.MIN_PREPACKED_WEIGHTS).
 Usage: python -m bench.layers [--threads 2]
 """
 
@@ -17,13 +19,18 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from bench.encoder import make_texts
 from bench.workload import short_sentences
 from model import DEFAULT_MODEL_ID, Embedder, Encoded, packing
-from model.prepacked import can_prepack
+from model.prepacked import PrepackedLinear, can_prepack
 
 PADDING_SHARES = (0.05, 0.10, 0.20, 0.40, 0.60)
+# (in_features, out_features): small models' layers up to all-MiniLM-L6-v2's and BERT-base's.
+LAYER_SIZES = ((32, 96), (128, 512), (256, 256), (384, 384), (512, 512), (384, 1536), (768, 3072))
+# Row counts of one call: a few sentences' tokens, and a batch's.
+ROW_RANGES = ((1, 40), (100, 600))
 
 
 def padded_batch(share: float, count: int = 64, longest: int = 120) -> list[list[int]]:
@@ -115,6 +122,7 @@ def main() -> None:
             f"whole {best['whole'] * 1000:.0f} ms, speed-up {best['whole'] / best['chunked']:.2f}"
         )
     compare_prepacked(args.repeats)
+    compare_layer_sizes(args.repeats)
 
 
 def forward_each(embedder: Embedder, batches: list[list[Encoded]]) -> None:
@@ -149,6 +157,40 @@ def compare_prepacked(repeats: int) -> None:
                 f"{best['F.linear'] / len(batches) * 1000:.2f} ms, speed-up "
                 f"{best['F.linear'] / best['prepacked']:.2f}"
             )
+
+
+def compare_layer_sizes(repeats: int) -> None:
+    """Each size on the same 200 inputs of random row counts: oneDNN makes a primitive for
+    each new row count and a descriptor on every call, F.linear neither."""
+    if not can_prepack(torch.device("cpu"), torch.float32):
+        print("float32 layers by size: not prepacked on this CPU (model.prepacked.can_prepack)")
+        return
+    print("one float32 layer, prepacked against F.linear, by weights (in x out) and rows")
+    rng = random.Random(0)
+    for inputs, outputs in LAYER_SIZES:
+        plain = nn.Linear(inputs, outputs).eval()
+        packed = PrepackedLinear(plain)
+        for low, high in ROW_RANGES:
+            xs = [torch.randn(rng.randint(low, high), inputs) for _ in range(200)]
+            best = best_interleaved(
+                {
+                    "prepacked": functools.partial(each_row_count, packed, xs),
+                    "F.linear": functools.partial(each_row_count, plain, xs),
+                },
+                repeats,
+            )
+            print(
+                f"  {inputs:4} x {outputs:4} ({inputs * outputs:7} weights), rows {low}-{high}: "
+                f"prepacked {best['prepacked'] / len(xs) * 1e6:7.1f} us, F.linear "
+                f"{best['F.linear'] / len(xs) * 1e6:7.1f} us, speed-up "
+                f"{best['F.linear'] / best['prepacked']:.2f}"
+            )
+
+
+def each_row_count(layer: nn.Module, xs: list[torch.Tensor]) -> None:
+    with torch.inference_mode():
+        for x in xs:
+            layer(x)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,12 @@ from model.activations import Activation, activate
 # it. A layout for one row made a single sentence slower, and one for many rows gained
 # nothing on batches, so the layout suits the requests a server sees most.
 EXPECTED_ROWS = 64
+# The smallest float32 weight (in_features x out_features) laid out for oneDNN. Each
+# prepacked call pays oneDNN a fixed cost (a primitive descriptor made anew, and a primitive
+# compiled for each new row count), which a small product does not win back from MKL's GEMM
+# (`python -m bench.layers`; docs/benchmarks.md). In bfloat16 `F.linear` lays the weight out
+# on every call, so every size gains.
+MIN_PREPACKED_WEIGHTS = 1 << 17
 FROZEN = "a prepacked linear layer cannot be {}: build the model with prepack=False"
 # This code's activation names (model/activations.py) as oneDNN post-ops.
 POST_OPS = {"gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
@@ -107,14 +113,20 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def worth_prepacking(linear: nn.Linear) -> bool:
+    weight = linear.weight
+    return weight.dtype != torch.float32 or weight.numel() >= MIN_PREPACKED_WEIGHTS
+
+
 def prepack_linears(network: nn.Module) -> int:
-    """Swap every `nn.Linear` inside `network` for its prepacked twin; how many."""
+    """Swap every `nn.Linear` inside `network` that is worth it for its prepacked twin; how
+    many."""
     swapped = 0
     for module in list(network.modules()):
         for name, child in list(module.named_children()):
             # Exactly nn.Linear: a subclass may be read by its owner (MultiheadAttention
             # reads its out_proj.weight itself).
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and worth_prepacking(child):
                 setattr(module, name, PrepackedLinear(child))
                 swapped += 1
     return swapped

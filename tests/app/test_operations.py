@@ -11,6 +11,7 @@ import torch
 
 from app import settings as settings_module
 from app.settings import Settings
+from model import prepacked
 from model.cpus import available_cpus
 from model.device import resolve_dtype
 from tests.app.conftest import GatedForward, local_engine, make_settings, running_app, service_of
@@ -110,8 +111,12 @@ async def test_a_cpu_server_on_more_threads_than_cpus_says_so_at_start(
 
 
 @pytest.mark.parametrize("prepack", [True, False])
-async def test_the_prepack_setting_reaches_the_model(tiny_checkpoint: Path, prepack: bool) -> None:
-    """On by default: a CPU server's linear layers run prepacked (model/prepacked.py)."""
+async def test_the_prepack_setting_reaches_the_model(
+    tiny_checkpoint: Path, prepack: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On by default: a CPU server's linear layers run prepacked (model/prepacked.py; the
+    tiny model's too, which alone are too small to gain)."""
+    monkeypatch.setattr(prepacked, "MIN_PREPACKED_WEIGHTS", 0)
     async with running_app(make_settings(tiny_checkpoint, prepack=prepack)) as (app, client):
         embedder = local_engine(app).model.embedder
         assert embedder is not None and (embedder.prepacked > 0) is prepack

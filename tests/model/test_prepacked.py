@@ -10,10 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from model import AttentionSpec, Embedder
+from model import AttentionSpec, Embedder, prepacked
 from model.activations import Activation, activate
 from model.embedder import BatchOutput
-from model.prepacked import PrepackedLinear, can_prepack, linear_activated, linear_plus
+from model.prepacked import (
+    PrepackedLinear,
+    can_prepack,
+    linear_activated,
+    linear_plus,
+    prepack_linears,
+)
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
 
 CPU = torch.device("cpu")
@@ -28,6 +34,12 @@ TEXTS = [
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
 MIN_COSINE = {torch.float32: 0.99999, torch.bfloat16: 0.9999}
 BF16_STEP = 2**-8  # bfloat16's relative precision
+
+
+@pytest.fixture
+def every_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny model's float32 layers prepacked too, which alone would stay on F.linear."""
+    monkeypatch.setattr(prepacked, "MIN_PREPACKED_WEIGHTS", 0)
 
 
 def linears(embedder: Embedder) -> tuple[int, int]:
@@ -55,6 +67,7 @@ def test_prepacked_real_model_gives_the_vectors_of_f_linear(dtype: torch.dtype) 
     assert torch.nn.functional.cosine_similarity(ours, theirs).min().item() >= MIN_COSINE[dtype]
 
 
+@pytest.mark.usefixtures("every_size")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prepacked_token_embeddings_and_attention_maps(
     tiny_checkpoint: Path, dtype: torch.dtype
@@ -104,6 +117,7 @@ def map_error(output: BatchOutput, reference: BatchOutput) -> float:
     )
 
 
+@pytest.mark.usefixtures("every_size")
 def test_a_prepacked_layer_refuses_to_be_moved_or_saved(tiny_checkpoint: Path) -> None:
     """Its opaque weight would be skipped by .to() and state_dict(): it says so instead."""
     network = Embedder.from_folder(tiny_checkpoint, CPU, torch.float32).network
@@ -120,6 +134,21 @@ def test_prepacking_only_where_onednn_runs_the_dtype(monkeypatch: pytest.MonkeyP
     assert not can_prepack(torch.device("cuda"), torch.float32)
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # oneDNN off: F.linear
     assert not can_prepack(CPU, torch.float32)
+
+
+def test_only_float32_layers_large_enough_to_gain_are_prepacked() -> None:
+    """A small float32 product is faster on F.linear than through oneDNN's setup per call
+    (the tiny model's, 32 wide); bfloat16's F.linear lays the weight out on every call, so a
+    layer of any size is prepacked."""
+    if not can_prepack(CPU, torch.float32):
+        pytest.skip("oneDNN does not run float32 here")
+    sizes = [(32, 96), (384, 384), (384, 1536)]  # the last two: all-MiniLM-L6-v2's smallest
+    network = nn.Sequential(*(nn.Linear(*size) for size in sizes))
+    assert prepack_linears(network) == 2
+    assert [type(layer) for layer in network] == [nn.Linear, PrepackedLinear, PrepackedLinear]
+    if can_prepack(CPU, torch.bfloat16):
+        small = nn.Sequential(nn.Linear(32, 96)).to(torch.bfloat16)
+        assert prepack_linears(small) == 1
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
