@@ -9,7 +9,9 @@ same bits (oneDNN's kernel either way); float32 differs by rounding (the parity 
 
 A prepacked layer also takes the step after it into the same call where an encoder asks
 (`linear_activated`, `linear_plus`): the activation, or the residual's addition, as oneDNN
-post-ops: one pass over the output fewer.
+post-ops: one pass over the output fewer. In bfloat16 a product runs on its rows padded up
+to one of a few counts (`bucket_rows`), so that oneDNN compiles a kernel for each of those
+instead of for every batch's own token count.
 
 Only where that was measured (`can_prepack`): on x86 with oneDNN, in float32, or in bfloat16
 where oneDNN says the CPU supports it. `prepack=False` (`--no-prepack`) keeps torch's `F.linear`.
@@ -22,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.activations import Activation, activate
@@ -36,6 +39,13 @@ EXPECTED_ROWS = 64
 # (`python -m bench.layers`; docs/benchmarks.md). In bfloat16 `F.linear` lays the weight out
 # on every call, so every size gains.
 MIN_PREPACKED_WEIGHTS = 1 << 17
+# Row counts a bfloat16 product runs on, per doubling (a power of two). oneDNN compiles a
+# kernel for every row count new to it, which in bfloat16 costs milliseconds, and keeps a
+# limited number: a server's batches, each with its own token count, would compile on most
+# passes. Rounded up to a few sizes (padding rows of zeros, at most 1/16 more), they compile
+# once each (docs/benchmarks.md). float32's kernels compile fast enough that padding does
+# not pay.
+ROW_BUCKETS = 16
 FROZEN = "a prepacked linear layer cannot be {}: build the model with prepack=False"
 # This code's activation names (model/activations.py) as oneDNN post-ops.
 POST_OPS = {"gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
@@ -69,25 +79,44 @@ class PrepackedLinear(nn.Module):
         self.out_features = linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), EXPECTED_ROWS)
         self.bias = linear.bias
+        self.bucketed = linear.weight.dtype == torch.bfloat16
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return out
+        out: Tensor = torch.ops.mkldnn._linear_pointwise(
+            self._rows(x), self.packed, self.bias, "none", [], ""
+        )
+        return self._shaped(out, x)
 
     def activated(self, x: Tensor, activation: Activation) -> Tensor:
         """The activation applied as the product's post-op: one pass over the output."""
         attr, algorithm = POST_OPS[activation]
         out: Tensor = torch.ops.mkldnn._linear_pointwise(
-            x, self.packed, self.bias, attr, [], algorithm
+            self._rows(x), self.packed, self.bias, attr, [], algorithm
         )
-        return out
+        return self._shaped(out, x)
 
     def plus(self, x: Tensor, residual: Tensor) -> Tensor:
         """self(x) + residual, the addition as the product's post-op."""
         out: Tensor = torch.ops.mkldnn._linear_pointwise.binary(
-            x, residual, self.packed, self.bias, "add"
+            self._rows(x), self._rows(residual), self.packed, self.bias, "add"
         )
-        return out
+        return self._shaped(out, x)
+
+    def _rows(self, x: Tensor) -> Tensor:
+        """`x` as the (rows, features) the product runs on: padded to a bucket's rows."""
+        if not self.bucketed:
+            return x
+        flat = x.reshape(-1, x.shape[-1])
+        rows = flat.shape[0]
+        padded = bucket_rows(rows)
+        return flat if padded == rows else F.pad(flat, (0, 0, 0, padded - rows))
+
+    def _shaped(self, out: Tensor, x: Tensor) -> Tensor:
+        """The product's output for `x`'s rows, in `x`'s shape."""
+        if not self.bucketed:
+            return out
+        rows = x.numel() // x.shape[-1]
+        return out[:rows].view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -99,6 +128,13 @@ class PrepackedLinear(nn.Module):
         self, destination: Mapping[str, Any], prefix: str, keep_vars: bool
     ) -> NoReturn:
         raise RuntimeError(FROZEN.format("saved"))
+
+
+def bucket_rows(rows: int) -> int:
+    """`rows` rounded up to one of ROW_BUCKETS sizes per doubling (exact below 2 x that):
+    at most 1/ROW_BUCKETS more rows."""
+    step = 1 << max(0, rows.bit_length() - ROW_BUCKETS.bit_length())
+    return -(-rows // step) * step
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -14,7 +14,9 @@ from model import AttentionSpec, Embedder, prepacked
 from model.activations import Activation, activate
 from model.embedder import BatchOutput
 from model.prepacked import (
+    ROW_BUCKETS,
     PrepackedLinear,
+    bucket_rows,
     can_prepack,
     linear_activated,
     linear_plus,
@@ -149,6 +151,44 @@ def test_only_float32_layers_large_enough_to_gain_are_prepacked() -> None:
     if can_prepack(CPU, torch.bfloat16):
         small = nn.Sequential(nn.Linear(32, 96)).to(torch.bfloat16)
         assert prepack_linears(small) == 1
+
+
+def test_row_counts_round_up_to_a_few_sizes() -> None:
+    """Exact below 2 x ROW_BUCKETS rows, then at most 1/ROW_BUCKETS more: the few sizes that
+    oneDNN compiles bfloat16 kernels for."""
+    sizes = [bucket_rows(rows) for rows in range(1, 16385)]
+    assert sizes[: 2 * ROW_BUCKETS - 1] == list(range(1, 2 * ROW_BUCKETS))
+    for rows, size in enumerate(sizes, start=1):
+        assert rows <= size <= rows * (1 + 1 / ROW_BUCKETS)
+        assert bucket_rows(size) == size
+    # Below 2 x ROW_BUCKETS every count, then ROW_BUCKETS per doubling up to 2^14.
+    assert len(set(sizes)) <= 2 * ROW_BUCKETS + ROW_BUCKETS * 10
+
+
+@pytest.mark.parametrize("shape", [(37, 32), (3, 13, 32), (32, 32), (5, 32)])
+def test_a_bfloat16_layer_runs_on_a_bucket_of_rows_and_answers_for_its_own(
+    shape: tuple[int, ...],
+) -> None:
+    """Padded with rows of zeros up to its bucket, the product gives each real row what
+    F.linear gives it (and the activation and residual too), in the input's own shape."""
+    if not can_prepack(CPU, torch.bfloat16):
+        pytest.skip("oneDNN does not run bfloat16 on this CPU")
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 48).to(torch.bfloat16)
+    packed = PrepackedLinear(layer)
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    residual = torch.randn((*shape[:-1], 48), dtype=torch.bfloat16)
+    rows = x.numel() // 32
+    with torch.inference_mode():
+        assert packed._rows(x).shape == (bucket_rows(rows), 32)
+        results = {
+            "product": (packed(x), layer(x)),
+            "activated": (linear_activated(packed, x, "gelu"), activate(layer(x), "gelu")),
+            "plus": (linear_plus(packed, x, residual), layer(x).float() + residual.float()),
+        }
+    for name, (ours, reference) in results.items():
+        assert ours.shape == (*shape[:-1], 48), name
+        assert (ours.float() - reference.float()).abs().max().item() <= 0.05, name
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
