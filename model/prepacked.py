@@ -9,9 +9,9 @@ same bits (oneDNN's kernel either way); float32 differs by rounding (the parity 
 
 A prepacked layer also takes the step after it into the same call where an encoder asks
 (`linear_activated`, `linear_plus`): the activation, or the residual's addition, as oneDNN
-post-ops: one pass over the output fewer. In bfloat16 a product runs on its rows padded up
-to one of a few counts (`bucket_rows`), so that oneDNN compiles a kernel for each of those
-instead of for every batch's own token count.
+post-ops: one pass over the output fewer. A product runs on its rows padded up to one of a
+few counts (`bucket_rows`), so that oneDNN compiles a kernel for each of those instead of for
+every batch's own token count.
 
 Only where that was measured (`can_prepack`): on x86 with oneDNN, in float32, or in bfloat16
 where oneDNN says the CPU supports it. `prepack=False` (`--no-prepack`) keeps torch's `F.linear`.
@@ -39,12 +39,11 @@ EXPECTED_ROWS = 64
 # (`python -m bench.layers`; docs/benchmarks.md). In bfloat16 `F.linear` lays the weight out
 # on every call, so every size gains.
 MIN_PREPACKED_WEIGHTS = 1 << 17
-# Row counts a bfloat16 product runs on, per doubling (a power of two). oneDNN compiles a
-# kernel for every row count new to it, which in bfloat16 costs milliseconds, and keeps a
-# limited number: a server's batches, each with its own token count, would compile on most
-# passes. Rounded up to a few sizes (padding rows of zeros, at most 1/16 more), they compile
-# once each (docs/benchmarks.md). float32's kernels compile fast enough that padding does
-# not pay.
+# Row counts a product runs on, per doubling (a power of two). oneDNN compiles a kernel for
+# every row count new to it (milliseconds) and keeps each in memory while its cache holds
+# it: a server's batches, each with its own token count, would compile on most passes and
+# hold hundreds of MB of kernels. Rounded up to a few counts (padding rows of zeros, at most
+# 1/16 more), they compile once each (docs/benchmarks.md).
 ROW_BUCKETS = 16
 FROZEN = "a prepacked linear layer cannot be {}: build the model with prepack=False"
 # This code's activation names (model/activations.py) as oneDNN post-ops.
@@ -79,7 +78,6 @@ class PrepackedLinear(nn.Module):
         self.out_features = linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), EXPECTED_ROWS)
         self.bias = linear.bias
-        self.bucketed = linear.weight.dtype == torch.bfloat16
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = torch.ops.mkldnn._linear_pointwise(
@@ -104,8 +102,6 @@ class PrepackedLinear(nn.Module):
 
     def _rows(self, x: Tensor) -> Tensor:
         """`x` as the (rows, features) the product runs on: padded to a bucket's rows."""
-        if not self.bucketed:
-            return x
         flat = x.reshape(-1, x.shape[-1])
         rows = flat.shape[0]
         padded = bucket_rows(rows)
@@ -113,8 +109,6 @@ class PrepackedLinear(nn.Module):
 
     def _shaped(self, out: Tensor, x: Tensor) -> Tensor:
         """The product's output for `x`'s rows, in `x`'s shape."""
-        if not self.bucketed:
-            return out
         rows = x.numel() // x.shape[-1]
         return out[:rows].view(*x.shape[:-1], self.out_features)
 

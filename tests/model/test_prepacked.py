@@ -155,7 +155,7 @@ def test_only_float32_layers_large_enough_to_gain_are_prepacked() -> None:
 
 def test_row_counts_round_up_to_a_few_sizes() -> None:
     """Exact below 2 x ROW_BUCKETS rows, then at most 1/ROW_BUCKETS more: the few sizes that
-    oneDNN compiles bfloat16 kernels for."""
+    oneDNN compiles kernels for."""
     sizes = [bucket_rows(rows) for rows in range(1, 16385)]
     assert sizes[: 2 * ROW_BUCKETS - 1] == list(range(1, 2 * ROW_BUCKETS))
     for rows, size in enumerate(sizes, start=1):
@@ -165,19 +165,20 @@ def test_row_counts_round_up_to_a_few_sizes() -> None:
     assert len(set(sizes)) <= 2 * ROW_BUCKETS + ROW_BUCKETS * 10
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(37, 32), (3, 13, 32), (32, 32), (5, 32)])
-def test_a_bfloat16_layer_runs_on_a_bucket_of_rows_and_answers_for_its_own(
-    shape: tuple[int, ...],
+def test_a_layer_runs_on_a_bucket_of_rows_and_answers_for_its_own(
+    shape: tuple[int, ...], dtype: torch.dtype
 ) -> None:
     """Padded with rows of zeros up to its bucket, the product gives each real row what
     F.linear gives it (and the activation and residual too), in the input's own shape."""
-    if not can_prepack(CPU, torch.bfloat16):
-        pytest.skip("oneDNN does not run bfloat16 on this CPU")
+    if not can_prepack(CPU, dtype):
+        pytest.skip(f"oneDNN does not run {dtype} on this CPU")
     torch.manual_seed(0)
-    layer = nn.Linear(32, 48).to(torch.bfloat16)
+    layer = nn.Linear(32, 48).to(dtype)
     packed = PrepackedLinear(layer)
-    x = torch.randn(shape, dtype=torch.bfloat16)
-    residual = torch.randn((*shape[:-1], 48), dtype=torch.bfloat16)
+    x = torch.randn(shape, dtype=dtype)
+    residual = torch.randn((*shape[:-1], 48), dtype=dtype)
     rows = x.numel() // 32
     with torch.inference_mode():
         assert packed._rows(x).shape == (bucket_rows(rows), 32)
@@ -186,9 +187,10 @@ def test_a_bfloat16_layer_runs_on_a_bucket_of_rows_and_answers_for_its_own(
             "activated": (linear_activated(packed, x, "gelu"), activate(layer(x), "gelu")),
             "plus": (linear_plus(packed, x, residual), layer(x).float() + residual.float()),
         }
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05  # a few bfloat16 steps at 4
     for name, (ours, reference) in results.items():
         assert ours.shape == (*shape[:-1], 48), name
-        assert (ours.float() - reference.float()).abs().max().item() <= 0.05, name
+        assert (ours.float() - reference.float()).abs().max().item() <= tolerance, name
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
