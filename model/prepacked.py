@@ -34,10 +34,9 @@ from model.activations import Activation, activate
 # nothing on batches, so the layout suits the requests a server sees most.
 EXPECTED_ROWS = 64
 # The smallest float32 weight (in_features x out_features) laid out for oneDNN. Each
-# prepacked call pays oneDNN a fixed cost (a primitive descriptor made anew, and a primitive
-# compiled for each new row count), which a small product does not win back from MKL's GEMM
-# (`python -m bench.layers`; docs/benchmarks.md). In bfloat16 `F.linear` lays the weight out
-# on every call, so every size gains.
+# prepacked call pays oneDNN a fixed cost (a primitive descriptor made anew), which a small
+# product does not win back from MKL's GEMM (`python -m bench.layers`; docs/benchmarks.md).
+# In bfloat16 `F.linear` lays the weight out on every call, so every size gains.
 MIN_PREPACKED_WEIGHTS = 1 << 17
 # Row counts a product runs on, per doubling (a power of two). oneDNN compiles a kernel for
 # every row count new to it (milliseconds) and keeps each in memory while its cache holds
