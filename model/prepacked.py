@@ -35,14 +35,16 @@ from model.activations import Activation, activate
 EXPECTED_ROWS = 64
 # The smallest float32 weight (in_features x out_features) laid out for oneDNN. Each
 # prepacked call pays oneDNN a fixed cost (a primitive descriptor made anew), which a small
-# product does not win back from MKL's GEMM (`python -m bench.layers`; docs/benchmarks.md).
-# In bfloat16 `F.linear` lays the weight out on every call, so every size gains.
+# product does not win back from MKL's GEMM (`python -m bench.layers`; docs/benchmarks.md);
+# 2^17 keeps all-MiniLM-L6-v2's 384 x 384 layer, whose fused residual made the model faster.
+# In bfloat16 `F.linear` lays the weight out on every call: a tiny bfloat16 model (32 wide)
+# measured as fast or faster prepacked, so every size is.
 MIN_PREPACKED_WEIGHTS = 1 << 17
-# Row counts a product runs on, per doubling (a power of two). oneDNN compiles a kernel for
-# every row count new to it (milliseconds) and keeps each in memory while its cache holds
-# it: a server's batches, each with its own token count, would compile on most passes and
-# hold hundreds of MB of kernels. Rounded up to a few counts (padding rows of zeros, at most
-# 1/16 more), they compile once each (docs/benchmarks.md).
+# Row counts a product runs on, per doubling (a power of two, for `bucket_rows`). oneDNN
+# compiles a kernel for every row count new to it (milliseconds) and keeps each in memory
+# while its cache holds it: a server's batches, each with its own token count, would compile
+# on most passes and hold hundreds of MiB of kernels. Rounded up to a few counts (padding
+# rows of zeros, at most 1/16 more), they compile once each (docs/benchmarks.md).
 ROW_BUCKETS = 16
 FROZEN = "a prepacked linear layer cannot be {}: build the model with prepack=False"
 # This code's activation names (model/activations.py) as oneDNN post-ops.
@@ -79,36 +81,36 @@ class PrepackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: Tensor) -> Tensor:
+        flat, rows = padded_rows(x)
         out: Tensor = torch.ops.mkldnn._linear_pointwise(
-            self._rows(x), self.packed, self.bias, "none", [], ""
+            flat, self.packed, self.bias, "none", [], ""
         )
-        return self._shaped(out, x)
+        return self._shaped(out, rows, x)
 
     def activated(self, x: Tensor, activation: Activation) -> Tensor:
         """The activation applied as the product's post-op: one pass over the output."""
         attr, algorithm = POST_OPS[activation]
+        flat, rows = padded_rows(x)
         out: Tensor = torch.ops.mkldnn._linear_pointwise(
-            self._rows(x), self.packed, self.bias, attr, [], algorithm
+            flat, self.packed, self.bias, attr, [], algorithm
         )
-        return self._shaped(out, x)
+        return self._shaped(out, rows, x)
 
     def plus(self, x: Tensor, residual: Tensor) -> Tensor:
-        """self(x) + residual, the addition as the product's post-op."""
+        """self(x) + residual, the addition as the product's post-op where the residual has
+        the output's shape (else broadcast, as a separate step)."""
+        if residual.shape != (*x.shape[:-1], self.out_features):
+            broadcast: Tensor = self(x) + residual
+            return broadcast
+        flat, rows = padded_rows(x)
+        added, _ = padded_rows(residual)
         out: Tensor = torch.ops.mkldnn._linear_pointwise.binary(
-            self._rows(x), self._rows(residual), self.packed, self.bias, "add"
+            flat, added, self.packed, self.bias, "add"
         )
-        return self._shaped(out, x)
+        return self._shaped(out, rows, x)
 
-    def _rows(self, x: Tensor) -> Tensor:
-        """`x` as the (rows, features) the product runs on: padded to a bucket's rows."""
-        flat = x.reshape(-1, x.shape[-1])
-        rows = flat.shape[0]
-        padded = bucket_rows(rows)
-        return flat if padded == rows else F.pad(flat, (0, 0, 0, padded - rows))
-
-    def _shaped(self, out: Tensor, x: Tensor) -> Tensor:
-        """The product's output for `x`'s rows, in `x`'s shape."""
-        rows = x.numel() // x.shape[-1]
+    def _shaped(self, out: Tensor, rows: int, x: Tensor) -> Tensor:
+        """The product's output for `x`'s own rows, in `x`'s shape."""
         return out[:rows].view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -121,6 +123,15 @@ class PrepackedLinear(nn.Module):
         self, destination: Mapping[str, Any], prefix: str, keep_vars: bool
     ) -> NoReturn:
         raise RuntimeError(FROZEN.format("saved"))
+
+
+def padded_rows(x: Tensor) -> tuple[Tensor, int]:
+    """`x` as the (rows, features) a product runs on, padded with rows of zeros up to its
+    bucket; and its own row count."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    padded = bucket_rows(rows)
+    return (flat if padded == rows else F.pad(flat, (0, 0, 0, padded - rows))), rows
 
 
 def bucket_rows(rows: int) -> int:
@@ -143,6 +154,7 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def worth_prepacking(linear: nn.Linear) -> bool:
+    """Whether oneDNN's layout gains more than its cost per call (MIN_PREPACKED_WEIGHTS)."""
     weight = linear.weight
     return weight.dtype != torch.float32 or weight.numel() >= MIN_PREPACKED_WEIGHTS
 

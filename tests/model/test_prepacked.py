@@ -20,7 +20,9 @@ from model.prepacked import (
     can_prepack,
     linear_activated,
     linear_plus,
+    padded_rows,
     prepack_linears,
+    worth_prepacking,
 )
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
 
@@ -161,14 +163,15 @@ def test_row_counts_round_up_to_a_few_sizes() -> None:
     for rows, size in enumerate(sizes, start=1):
         assert rows <= size <= rows * (1 + 1 / ROW_BUCKETS)
         assert bucket_rows(size) == size
-    # Below 2 x ROW_BUCKETS every count, then ROW_BUCKETS per doubling up to 2^14.
-    assert len(set(sizes)) <= 2 * ROW_BUCKETS + ROW_BUCKETS * 10
+    # Every count below 2 x ROW_BUCKETS, ROW_BUCKETS per doubling from there to 2^14 (nine
+    # doublings), and 2^14 itself.
+    assert len(set(sizes)) == 2 * ROW_BUCKETS - 1 + 9 * ROW_BUCKETS + 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(37, 32), (3, 13, 32), (32, 32), (5, 32)])
+@pytest.mark.parametrize("shape", [(37, 32), (3, 13, 32), (32, 32), (5, 32), (32,), (0, 32)])
 def test_a_layer_runs_on_a_bucket_of_rows_and_answers_for_its_own(
-    shape: tuple[int, ...], dtype: torch.dtype
+    shape: tuple[int, ...], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Padded with rows of zeros up to its bucket, the product gives each real row what
     F.linear gives it (and the activation and residual too), in the input's own shape."""
@@ -180,17 +183,50 @@ def test_a_layer_runs_on_a_bucket_of_rows_and_answers_for_its_own(
     x = torch.randn(shape, dtype=dtype)
     residual = torch.randn((*shape[:-1], 48), dtype=dtype)
     rows = x.numel() // 32
+    ran_on = []
+
+    def spied(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        flat, own = padded_rows(tensor)
+        ran_on.append(flat.shape[0])
+        return flat, own
+
+    monkeypatch.setattr(prepacked, "padded_rows", spied)
     with torch.inference_mode():
-        assert packed._rows(x).shape == (bucket_rows(rows), 32)
         results = {
             "product": (packed(x), layer(x)),
             "activated": (linear_activated(packed, x, "gelu"), activate(layer(x), "gelu")),
             "plus": (linear_plus(packed, x, residual), layer(x).float() + residual.float()),
         }
+    # The product, the activated one, and the residual's product and the residual itself.
+    assert ran_on == [bucket_rows(rows)] * 4
     tolerance = 1e-5 if dtype == torch.float32 else 0.05  # a few bfloat16 steps at 4
     for name, (ours, reference) in results.items():
         assert ours.shape == (*shape[:-1], 48), name
-        assert (ours.float() - reference.float()).abs().max().item() <= tolerance, name
+        if rows:
+            assert (ours.float() - reference.float()).abs().max().item() <= tolerance, name
+
+
+def test_a_residual_of_another_shape_is_broadcast_as_a_separate_step() -> None:
+    """Fused, rows padded apart would pair the wrong rows: a residual that is not the
+    output's shape is added after the product, as torch broadcasts it."""
+    if not can_prepack(CPU, torch.float32):
+        pytest.skip("oneDNN does not run float32 here")
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 48)
+    packed = PrepackedLinear(layer)
+    x = torch.randn(2, 37, 32)
+    with torch.inference_mode():
+        for residual in (torch.randn(37, 48), torch.randn(48)):
+            summed = linear_plus(packed, x, residual)
+            assert summed.shape == (2, 37, 48)
+            assert (summed - (layer(x) + residual)).abs().max().item() <= 1e-5
+
+
+def test_worth_prepacking_from_2_17_float32_weights_or_in_bfloat16() -> None:
+    assert prepacked.MIN_PREPACKED_WEIGHTS == 256 * 512
+    assert worth_prepacking(nn.Linear(256, 512))
+    assert not worth_prepacking(nn.Linear(255, 512))
+    assert worth_prepacking(nn.Linear(32, 96).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
