@@ -6,7 +6,7 @@
 - Linear weights prepacked for oneDNN (model/prepacked.py) against torch's `F.linear`, in
   float32 and bfloat16 (where the CPU runs it), on one sentence and batches of 8 and 32; and
   one float32 layer of each of several sizes, on row counts that vary from call to call as a
-  server's do (this is what sets model.prepacked.MIN_PREPACKED_WEIGHTS).
+  server's do (what model.prepacked.MIN_PREPACKED_WEIGHTS was read from).
 Usage: python -m bench.layers [--threads 2]
 """
 
@@ -160,8 +160,9 @@ def compare_prepacked(repeats: int) -> None:
 
 
 def compare_layer_sizes(repeats: int) -> None:
-    """Each size on the same 200 inputs of random row counts: oneDNN makes a primitive for
-    each new row count and a descriptor on every call, F.linear neither."""
+    """Each size on the same 200 inputs of random row counts: a prepacked call pays oneDNN a
+    descriptor, a kernel for each new bucket of rows and the copy that pads its input to it;
+    F.linear none of these."""
     if not can_prepack(torch.device("cpu"), torch.float32):
         print("float32 layers by size: not prepacked on this CPU (model.prepacked.can_prepack)")
         return
