@@ -63,7 +63,7 @@ def model_folders(settings: Settings) -> dict[str, Path]:
 def over_budget(settings: Settings, folders: dict[str, Path]) -> str | None:
     """Why the models cannot fit `memory_budget_mb`, if they cannot: their weights at the
     dtype they run in, once per GPU they are on and, on the CPU, once per engine where each
-    lays its linear layers out for oneDNN (`prepack`), else once for all (which share one
+    lays its linear layers out for its kernel (`prepack`), else once for all (which share one
     copy). The engines' working memory is not counted."""
     if settings.memory_budget_mb is None:
         return None

@@ -248,8 +248,9 @@ class Settings(BaseSettings):
     prepack: bool = Field(
         True,
         description=(
-            "On a CPU, lay the encoder's linear weights out once for oneDNN at start-up "
-            "(small batches faster; docs/benchmarks.md), each engine its own copy; off: torch's "
+            "On a CPU, lay the encoder's linear weights out once for their kernel (MKL or "
+            "oneDNN) at start-up (small batches faster; docs/benchmarks.md), each engine its "
+            "own copy; off: torch's "
             "matmul on the checkpoint layout, and engines on one CPU share every weight."
         ),
     )

@@ -3,10 +3,11 @@
 - Packing: position-wise layers on real tokens only, at several shares of padding
   (this is what sets model.packing.PACKING_MIN_PADDING).
 - Feed-forward chunks of model.packing.FEED_FORWARD_CHUNK tokens against the whole batch.
-- Linear weights prepacked for oneDNN (model/prepacked.py) against torch's `F.linear`, in
-  float32 and bfloat16 (where the CPU runs it), on one sentence and batches of 8 and 32; and
-  one float32 layer of each of several sizes, on row counts that vary from call to call as a
-  server's do (what model.prepacked.MIN_PREPACKED_WEIGHTS was read from).
+- Linear weights prepacked (model/prepacked.py) for MKL (float32) and for oneDNN (float32,
+  and bfloat16 where the CPU runs it) against torch's `F.linear`, on one sentence and batches
+  of 8 and 32; and one float32 layer of each of several sizes on each, on row counts that vary
+  from call to call as a server's do (what model.prepacked's MIN_MKL_WEIGHTS and
+  MIN_ONEDNN_FLOAT32_WEIGHTS were read from).
 Usage: python -m bench.layers [--threads 2]
 """
 
@@ -17,20 +18,23 @@ import functools
 import random
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 from torch import nn
 
 from bench.encoder import make_texts
 from bench.workload import short_sentences
-from model import DEFAULT_MODEL_ID, Embedder, Encoded, packing
-from model.prepacked import PrepackedLinear, can_prepack
+from model import DEFAULT_MODEL_ID, Embedder, Encoded, packing, prepacked
+from model.prepacked import MklLinear, OnednnLinear, can_prepack
 
 PADDING_SHARES = (0.05, 0.10, 0.20, 0.40, 0.60)
 # (in_features, out_features): small models' layers up to all-MiniLM-L6-v2's and BERT-base's.
 LAYER_SIZES = ((32, 96), (128, 512), (256, 256), (384, 384), (512, 512), (384, 1536), (768, 3072))
 # Row counts of one call: a few sentences' tokens, and a batch's.
 ROW_RANGES = ((1, 40), (100, 600))
+# The kernels each dtype's linear layers can run on; F.linear is the baseline.
+KERNELS = {torch.float32: ("mkl", "onednn"), torch.bfloat16: ("onednn",)}
 
 
 def padded_batch(share: float, count: int = 64, longest: int = 120) -> list[list[int]]:
@@ -131,60 +135,67 @@ def forward_each(embedder: Embedder, batches: list[list[Encoded]]) -> None:
 
 
 def compare_prepacked(repeats: int) -> None:
-    print("linear weights prepacked for oneDNN against F.linear, short sentences (~16 tokens)")
-    for dtype in (torch.float32, torch.bfloat16):
+    print("the encoder's linear layers on each kernel, short sentences (~16 tokens)")
+    for dtype, kernels in KERNELS.items():
         name = str(dtype).removeprefix("torch.")
         if not can_prepack(torch.device("cpu"), dtype):
             print(f"  {name}: not prepacked on this CPU (model.prepacked.can_prepack)")
             continue
-        on, off = (
-            Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype=name, prepack=flag)
-            for flag in (True, False)
-        )
+        loaded = {kernel: on_kernel(kernel, name) for kernel in (*kernels, "F.linear")}
         for count in (1, 8, 32):
             # Many batches per timing: one sentence takes a few milliseconds.
-            batches = [on.tokenize(short_sentences(count, seed=seed)) for seed in range(64)]
+            tokenize = loaded["F.linear"].tokenize
+            batches = [tokenize(short_sentences(count, seed=seed)) for seed in range(64)]
             best = best_interleaved(
                 {
-                    "prepacked": functools.partial(forward_each, on, batches),
-                    "F.linear": functools.partial(forward_each, off, batches),
+                    kernel: functools.partial(forward_each, embedder, batches)
+                    for kernel, embedder in loaded.items()
                 },
                 repeats,
             )
-            print(
-                f"  {name:8} batch {count:2}: prepacked "
-                f"{best['prepacked'] / len(batches) * 1000:.2f} ms, F.linear "
-                f"{best['F.linear'] / len(batches) * 1000:.2f} ms, speed-up "
-                f"{best['F.linear'] / best['prepacked']:.2f}"
-            )
+            print(f"  {name:8} batch {count:2}: " + speed_ups(best, len(batches), 1000, "ms"))
+
+
+def on_kernel(kernel: str, dtype: str) -> Embedder:
+    """The default model with its linear layers on `kernel`: mkl, onednn or F.linear."""
+    with mock.patch.object(prepacked, "mkl_packs_float32", lambda: kernel == "mkl"):
+        return Embedder.load(
+            DEFAULT_MODEL_ID, device="cpu", dtype=dtype, prepack=kernel != "F.linear"
+        )
+
+
+def speed_ups(best: dict[str, float], calls: int, scale: float, unit: str) -> str:
+    """Each kernel's time per call and its speed-up over F.linear."""
+    return ", ".join(
+        f"{kernel} {seconds / calls * scale:7.1f} {unit} ({best['F.linear'] / seconds:.2f}x)"
+        for kernel, seconds in best.items()
+    )
 
 
 def compare_layer_sizes(repeats: int) -> None:
-    """Each size on the same 200 inputs of random row counts: a prepacked call pays oneDNN a
+    """Each size on the same 200 inputs of random row counts. A oneDNN call pays a
     descriptor, a kernel for each new bucket of rows and the copy that pads its input to it;
-    F.linear none of these."""
+    an MKL call copies the bias into its output; F.linear fits the weight to MKL's kernel."""
     if not can_prepack(torch.device("cpu"), torch.float32):
         print("float32 layers by size: not prepacked on this CPU (model.prepacked.can_prepack)")
         return
-    print("one float32 layer, prepacked against F.linear, by weights (in x out) and rows")
+    print("one float32 layer on each kernel, by weights (in x out) and rows, per call")
     rng = random.Random(0)
     for inputs, outputs in LAYER_SIZES:
         plain = nn.Linear(inputs, outputs).eval()
-        packed = PrepackedLinear(plain)
+        layers = {"mkl": MklLinear(plain), "onednn": OnednnLinear(plain), "F.linear": plain}
         for low, high in ROW_RANGES:
             xs = [torch.randn(rng.randint(low, high), inputs) for _ in range(200)]
             best = best_interleaved(
                 {
-                    "prepacked": functools.partial(each_row_count, packed, xs),
-                    "F.linear": functools.partial(each_row_count, plain, xs),
+                    kernel: functools.partial(each_row_count, layer, xs)
+                    for kernel, layer in layers.items()
                 },
                 repeats,
             )
             print(
                 f"  {inputs:4} x {outputs:4} ({inputs * outputs:7} weights), rows {low}-{high}: "
-                f"prepacked {best['prepacked'] / len(xs) * 1e6:7.1f} us, F.linear "
-                f"{best['F.linear'] / len(xs) * 1e6:7.1f} us, speed-up "
-                f"{best['F.linear'] / best['prepacked']:.2f}"
+                + speed_ups(best, len(xs), 1e6, "us")
             )
 
 

@@ -13,6 +13,7 @@ from model.int8 import INT8, int8_unavailable
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # CPU flags (as Linux lists them) of instructions that compute bfloat16 natively.
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+CPUINFO = Path("/proc/cpuinfo")
 
 
 @dataclass(frozen=True)
@@ -42,17 +43,27 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     """The CPU's feature flags, read at run time (empty where /proc/cpuinfo does not exist)."""
+    return frozenset(_cpuinfo_field(cpuinfo, ("flags", "Features")).split())
+
+
+def cpu_vendor(cpuinfo: Path = CPUINFO) -> str:
+    """The CPU's vendor as Linux names it (`GenuineIntel`, `AuthenticAMD`), or ""."""
+    return _cpuinfo_field(cpuinfo, ("vendor_id",)).strip()
+
+
+def _cpuinfo_field(cpuinfo: Path, keys: tuple[str, ...]) -> str:
+    """The first processor's value of the first of `keys` found, or ""."""
     try:
         text = cpuinfo.read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return frozenset()
+        return ""
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        if key.strip() in keys:
+            return value
+    return ""
 
 
 def resolve_dtype(

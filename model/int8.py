@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import platform
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
 
+from model.frozen import FrozenLinear
+
 INT8 = "int8"
 # CPU flags of instructions that multiply 8-bit integers without saturating (VNNI).
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
-FROZEN = "an int8 linear layer cannot be {}: build the model in a float dtype"
 
 
 @contextmanager
@@ -36,14 +36,14 @@ def _quantized_tensors_allowed() -> Iterator[None]:
         yield
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(FrozenLinear):
     """`nn.Linear` with int8 weights (per output channel) and activations quantized per call.
-    The packed weight is an opaque fbgemm object: the layer is frozen, like model/prepacked.py's."""
+    The packed weight is an opaque fbgemm object."""
+
+    refusal = "an int8 linear layer cannot be {}: build the model in a float dtype"
 
     def __init__(self, linear: nn.Linear, reduce_range: bool) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        super().__init__(linear)
         self.reduce_range = reduce_range
         weight = linear.weight.detach().float()
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
@@ -60,15 +60,7 @@ class Int8Linear(nn.Module):
         return result
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
-
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> NoReturn:
-        raise RuntimeError(FROZEN.format("moved or converted"))
-
-    def _save_to_state_dict(
-        self, destination: Mapping[str, Any], prefix: str, keep_vars: bool
-    ) -> NoReturn:
-        raise RuntimeError(FROZEN.format("saved"))
+        return f"{super().extra_repr()}, int8"
 
 
 def int8_unavailable(device: torch.device) -> str | None:

@@ -1,84 +1,135 @@
-"""The encoder's linear layers on a CPU, with their weights laid out once for oneDNN.
+"""The encoder's linear layers on a CPU, with their weights laid out once for the kernel.
 
 torch's `F.linear` takes weights in their checkpoint layout, so each call pays for fitting
 them to the kernel: in bfloat16 oneDNN's own kernel, in float32 MKL's GEMM, slow on a few
 rows. Laid out once at load, the same products run without that cost, which matters most
-for small batches (`python -m bench.layers` compares; docs/benchmarks.md). bfloat16 gives the
-same bits (oneDNN's kernel either way); float32 differs by rounding (the parity tests hold,
-`tests/model/test_prepacked.py`).
+for small batches (`python -m bench.layers` compares; docs/benchmarks.md). Two kernels:
+- float32 on Intel CPUs: MKL's GEMM on its own packed layout (`MklLinear`), where it measured
+  faster than oneDNN at every batch, and free of oneDNN's set-up per call;
+- bfloat16, and float32 on other x86 CPUs (measured on AMD before MKL's packing was tried):
+  oneDNN (`OnednnLinear`), which also takes the step after the product into the same call
+  where an encoder asks (`linear_activated`, `linear_plus`): the activation, or the
+  residual's addition, as oneDNN post-ops. Its product runs on its rows padded up to one of a
+  few counts (`bucket_rows`), so that oneDNN compiles a kernel for each of those instead of
+  for every batch's own token count.
+bfloat16 gives the same bits as `F.linear` (oneDNN's kernel either way); float32 differs by
+rounding (the parity tests hold, `tests/model/test_prepacked.py`).
 
-A prepacked layer also takes the step after it into the same call where an encoder asks
-(`linear_activated`, `linear_plus`): the activation, or the residual's addition, as oneDNN
-post-ops: one pass over the output fewer. A product runs on its rows padded up to one of a
-few counts (`bucket_rows`), so that oneDNN compiles a kernel for each of those instead of for
-every batch's own token count.
-
-Only where that was measured (`can_prepack`): on x86 with oneDNN, in float32, or in bfloat16
-where oneDNN says the CPU supports it. `prepack=False` (`--no-prepack`) keeps torch's `F.linear`.
+Only where that was measured (`can_prepack`): on x86, in float32, or in bfloat16 where oneDNN
+says the CPU supports it. `prepack=False` (`--no-prepack`) keeps torch's `F.linear`.
 """
 
 from __future__ import annotations
 
+import functools
 import platform
-from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.activations import Activation, activate
+from model.activations import Activation, activate, activate_
+from model.device import cpu_vendor
+from model.frozen import FrozenLinear
 
-# The rows oneDNN lays the weights out for: a few sentences' tokens; any row count runs on
-# it. A layout for one row made a single sentence slower, and one for many rows gained
+# The rows a weight is laid out for: a few sentences' tokens; any row count runs on it. A
+# oneDNN layout for one row made a single sentence slower, and one for many rows gained
 # nothing on batches, so the layout suits the requests a server sees most.
 EXPECTED_ROWS = 64
-# The smallest float32 weight (in_features x out_features) laid out for oneDNN. Each
-# prepacked call pays oneDNN a fixed cost (a primitive descriptor made anew), which a small
-# product does not win back from MKL's GEMM (`python -m bench.layers`; docs/benchmarks.md);
-# 2^17 keeps all-MiniLM-L6-v2's 384 x 384 layer, whose fused residual made the model faster.
-# In bfloat16 `F.linear` lays the weight out on every call: a tiny bfloat16 model (32 wide)
-# measured as fast or faster prepacked, so every size is.
-MIN_PREPACKED_WEIGHTS = 1 << 17
-# Row counts a product runs on, per doubling (a power of two, for `bucket_rows`). oneDNN
-# compiles a kernel for every row count new to it (milliseconds) and keeps each in memory
-# while its cache holds it: a server's batches, each with its own token count, would compile
-# on most passes and hold hundreds of MiB of kernels. Rounded up to a few counts (padding
-# rows of zeros, at most 1/16 more), they compile once each (docs/benchmarks.md).
+# The smallest float32 weight (in_features x out_features) packed for MKL: smaller products
+# ran as fast on `F.linear` (`python -m bench.layers`; docs/benchmarks.md).
+MIN_MKL_WEIGHTS = 1 << 16
+# The same for oneDNN, whose every call pays a fixed cost (a primitive descriptor made anew)
+# that a small product does not win back; 2^17 keeps all-MiniLM-L6-v2's 384 x 384 layer,
+# whose fused residual made the model faster. In bfloat16 `F.linear` lays the weight out on
+# every call: a tiny bfloat16 model (32 wide) measured as fast or faster prepacked, so every
+# size is.
+MIN_ONEDNN_FLOAT32_WEIGHTS = 1 << 17
+# Row counts a oneDNN product runs on, per doubling (a power of two, for `bucket_rows`).
+# oneDNN compiles a kernel for every row count new to it (milliseconds) and keeps each in
+# memory while its cache holds it: a server's batches, each with its own token count, would
+# compile on most passes and hold hundreds of MiB of kernels. Rounded up to a few counts
+# (padding rows of zeros, at most 1/16 more), they compile once each (docs/benchmarks.md).
 ROW_BUCKETS = 16
-FROZEN = "a prepacked linear layer cannot be {}: build the model with prepack=False"
 # This code's activation names (model/activations.py) as oneDNN post-ops.
 POST_OPS = {"gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
 
 
 def linear_activated(layer: nn.Module, x: Tensor, activation: Activation) -> Tensor:
-    """`activation(layer(x))`, fused where the layer is prepacked."""
+    """`activation(layer(x))`, fused where the layer's kernel can."""
     if isinstance(layer, PrepackedLinear):
         return layer.activated(x, activation)
     return activate(layer(x), activation)
 
 
 def linear_plus(layer: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
-    """`layer(x) + residual`, fused where the layer is prepacked."""
+    """`layer(x) + residual`, fused where the layer's kernel can."""
     if isinstance(layer, PrepackedLinear):
         return layer.plus(x, residual)
     out: Tensor = layer(x) + residual
     return out
 
 
-class PrepackedLinear(nn.Module):
-    """`nn.Linear`'s product on a weight already in oneDNN's layout, for inference only (the
-    op has no backward). The packed weight is an opaque oneDNN tensor, kept out of the
-    parameters: this process's own (not shared between workers), and the bias stays an
-    ordinary parameter. The layer is frozen: moving, converting or saving it raises, where
-    the opaque weight would otherwise be skipped or fail deep inside oneDNN."""
+class PrepackedLinear(FrozenLinear):
+    """`nn.Linear`'s product on a weight already in a kernel's layout, for inference only (the
+    ops have no backward). The packed weight is an opaque tensor, kept out of the parameters:
+    this process's own (not shared between workers), and the bias stays an ordinary
+    parameter."""
+
+    refusal = "a prepacked linear layer cannot be {}: build the model with prepack=False"
+    packed: Tensor
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), EXPECTED_ROWS)
+        super().__init__(linear)
         self.bias = linear.bias
+
+    def activated(self, x: Tensor, activation: Activation) -> Tensor:
+        return activate(self(x), activation)
+
+    def plus(self, x: Tensor, residual: Tensor) -> Tensor:
+        out: Tensor = self(x) + residual
+        return out
+
+
+class MklLinear(PrepackedLinear):
+    """float32 on MKL's packed GEMM, on every call's own rows. The activation and the residual
+    follow as steps of their own."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        weight = linear.weight.detach()
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, EXPECTED_ROWS)
+        # The op reads the checkpoint's weight for its shape only, once told the call's own
+        # row count (MKL's packed layout of the weight does not depend on it, which
+        # test_prepacked pins): a view of one zero stands in, and the weight is freed.
+        self.shape = weight.new_zeros(()).expand_as(weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out: Tensor = torch.ops.mkl._mkl_linear(
+            flat, self.packed, self.shape, self.bias, flat.shape[0]
+        )
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def activated(self, x: Tensor, activation: Activation) -> Tensor:
+        """The activation in place on the product's fresh output: no second tensor."""
+        return activate_(self(x), activation)
+
+    def plus(self, x: Tensor, residual: Tensor) -> Tensor:
+        """The residual added in place where it has the output's shape."""
+        if residual.shape != (*x.shape[:-1], self.out_features):
+            return super().plus(x, residual)
+        out: Tensor = self(x).add_(residual)
+        return out
+
+
+class OnednnLinear(PrepackedLinear):
+    """The product in oneDNN, on its rows padded to their bucket, with the activation or the
+    residual as a post-op."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), EXPECTED_ROWS)
 
     def forward(self, x: Tensor) -> Tensor:
         flat, rows = padded_rows(x)
@@ -100,8 +151,7 @@ class PrepackedLinear(nn.Module):
         """self(x) + residual, the addition as the product's post-op where the residual has
         the output's shape (else broadcast, as a separate step)."""
         if residual.shape != (*x.shape[:-1], self.out_features):
-            broadcast: Tensor = self(x) + residual
-            return broadcast
+            return super().plus(x, residual)
         flat, rows = padded_rows(x)
         added, _ = padded_rows(residual)
         out: Tensor = torch.ops.mkldnn._linear_pointwise.binary(
@@ -112,17 +162,6 @@ class PrepackedLinear(nn.Module):
     def _shaped(self, out: Tensor, rows: int, x: Tensor) -> Tensor:
         """The product's output for `x`'s own rows, in `x`'s shape."""
         return out[:rows].view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
-
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> NoReturn:
-        raise RuntimeError(FROZEN.format("moved or converted"))
-
-    def _save_to_state_dict(
-        self, destination: Mapping[str, Any], prefix: str, keep_vars: bool
-    ) -> NoReturn:
-        raise RuntimeError(FROZEN.format("saved"))
 
 
 def padded_rows(x: Tensor) -> tuple[Tensor, int]:
@@ -142,21 +181,37 @@ def bucket_rows(rows: int) -> int:
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Where it was measured: x86 CPUs with oneDNN on (not ARM builds, whose oneDNN runs on
-    other kernels), in float32, or in bfloat16 where oneDNN says the CPU supports it."""
+    """Where it was measured: x86 CPUs (not ARM builds, whose kernels are others), in float32
+    with MKL or oneDNN on, or in bfloat16 where oneDNN says the CPU supports it."""
+    if device.type != "cpu" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    if dtype == torch.float32 and mkl_packs_float32():
+        return True
     onednn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-    onednn = onednn and torch.backends.mkldnn.enabled
-    if device.type != "cpu" or not onednn or platform.machine() not in ("x86_64", "AMD64"):
+    if not (onednn and torch.backends.mkldnn.enabled):
         return False
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return dtype == torch.float32
 
 
-def worth_prepacking(linear: nn.Linear) -> bool:
-    """Whether oneDNN's layout gains more than its cost per call (MIN_PREPACKED_WEIGHTS)."""
-    weight = linear.weight
-    return weight.dtype != torch.float32 or weight.numel() >= MIN_PREPACKED_WEIGHTS
+@functools.cache
+def mkl_packs_float32() -> bool:
+    """float32 on MKL's packing: on Intel CPUs, where it was measured, with MKL in torch (the
+    op takes its packed weight as a oneDNN tensor, so oneDNN must be built in too)."""
+    mkl = torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]
+    onednn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    return bool(mkl and onednn) and cpu_vendor() == "GenuineIntel"
+
+
+def packed_twin(linear: nn.Linear) -> PrepackedLinear | None:
+    """`linear` on the kernel that runs its dtype here, or None where it is not worth it."""
+    size = linear.weight.numel()
+    if linear.weight.dtype != torch.float32:
+        return OnednnLinear(linear)
+    if mkl_packs_float32():
+        return MklLinear(linear) if size >= MIN_MKL_WEIGHTS else None
+    return OnednnLinear(linear) if size >= MIN_ONEDNN_FLOAT32_WEIGHTS else None
 
 
 def prepack_linears(network: nn.Module) -> int:
@@ -167,7 +222,10 @@ def prepack_linears(network: nn.Module) -> int:
         for name, child in list(module.named_children()):
             # Exactly nn.Linear: a subclass may be read by its owner (MultiheadAttention
             # reads its out_proj.weight itself).
-            if type(child) is nn.Linear and worth_prepacking(child):
-                setattr(module, name, PrepackedLinear(child))
+            if type(child) is not nn.Linear:
+                continue
+            twin = packed_twin(child)
+            if twin is not None:
+                setattr(module, name, twin)
                 swapped += 1
     return swapped

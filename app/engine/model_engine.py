@@ -20,6 +20,7 @@ from app.settings import ServedModel, Settings
 from model import Embedder, Encoded
 from model.codec import ModelCard
 from model.info import Task
+from model.prepacked import PrepackedLinear
 from model.quantization import builtin_calibration_texts, read_calibration_file
 from model.shared_weights import WeightStore
 from model.vectors import FloatArray
@@ -76,7 +77,7 @@ class ModelEngine:
             prepack=settings.prepack,
         ).result()
         if embedder.prepacked:
-            log.info("%d linear layers prepacked for oneDNN", embedder.prepacked)
+            log.info("%d linear layers prepacked (%s)", embedder.prepacked, kernels(embedder))
         if embedder.quantized:
             log.info("%d linear layers in int8", embedder.quantized)
         if self.weights is not None:
@@ -158,3 +159,9 @@ class ModelEngine:
             self.batcher.stop()
         if self.compute is not None:
             self.compute.close()
+
+
+def kernels(embedder: Embedder) -> str:
+    """The kernels the encoder's prepacked layers run on, by class name."""
+    names = {type(m).__name__ for m in embedder.network.modules() if isinstance(m, PrepackedLinear)}
+    return ", ".join(sorted(names))

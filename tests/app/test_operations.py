@@ -13,7 +13,7 @@ from app import settings as settings_module
 from app.settings import Settings
 from model import prepacked
 from model.cpus import available_cpus
-from model.device import resolve_dtype
+from model.device import cpu_flags, cpu_vendor, resolve_dtype
 from tests.app.conftest import GatedForward, local_engine, make_settings, running_app, service_of
 
 pytestmark = pytest.mark.anyio
@@ -112,15 +112,22 @@ async def test_a_cpu_server_on_more_threads_than_cpus_says_so_at_start(
 
 @pytest.mark.parametrize("prepack", [True, False])
 async def test_the_prepack_setting_reaches_the_model(
-    tiny_checkpoint: Path, prepack: bool, monkeypatch: pytest.MonkeyPatch
+    tiny_checkpoint: Path,
+    prepack: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """On by default: a CPU server's linear layers run prepacked (model/prepacked.py; the
-    tiny model's too, which alone are too small to gain)."""
-    monkeypatch.setattr(prepacked, "MIN_PREPACKED_WEIGHTS", 0)
-    async with running_app(make_settings(tiny_checkpoint, prepack=prepack)) as (app, client):
-        embedder = local_engine(app).model.embedder
-        assert embedder is not None and (embedder.prepacked > 0) is prepack
-        assert (await client.post("/embed", json={"inputs": "hello"})).status_code == 200
+    tiny model's too, which alone are too small to gain), and the log names the kernel."""
+    monkeypatch.setattr(prepacked, "MIN_MKL_WEIGHTS", 0)
+    monkeypatch.setattr(prepacked, "MIN_ONEDNN_FLOAT32_WEIGHTS", 0)
+    kernel = "MklLinear" if prepacked.mkl_packs_float32() else "OnednnLinear"
+    with caplog.at_level(logging.INFO, logger="app.engine.model_engine"):
+        async with running_app(make_settings(tiny_checkpoint, prepack=prepack)) as (app, client):
+            embedder = local_engine(app).model.embedder
+            assert embedder is not None and (embedder.prepacked > 0) is prepack
+            assert (await client.post("/embed", json={"inputs": "hello"})).status_code == 200
+    assert (f"linear layers prepacked ({kernel})" in caplog.text) is prepack
 
 
 def test_auto_dtype_takes_bfloat16_only_where_the_cpu_computes_it() -> None:
@@ -131,6 +138,22 @@ def test_auto_dtype_takes_bfloat16_only_where_the_cpu_computes_it() -> None:
     plain = resolve_dtype("auto", cpu, frozenset({"avx2", "avx512f"}))
     assert plain.name == "float32" and plain.reason.startswith("auto:")
     assert resolve_dtype("float32", cpu, frozenset({"amx_bf16"})).name == "float32"
+
+
+def test_the_cpu_read_from_proc_cpuinfo(tmp_path: Path) -> None:
+    """The first processor's flags and vendor (which pick the dtype and the float32 kernel);
+    nothing where the file is missing."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx512f amx_bf16\n\n"
+        "processor\t: 1\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu\n"
+    )
+    assert cpu_vendor(cpuinfo) == "GenuineIntel"
+    assert cpu_flags(cpuinfo) == {"fpu", "avx512f", "amx_bf16"}
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd\n")
+    assert cpu_flags(arm) == {"fp", "asimd"} and cpu_vendor(arm) == ""
+    assert cpu_flags(tmp_path / "missing") == frozenset() and cpu_vendor(tmp_path / "x") == ""
 
 
 async def test_probes_answer_503_without_counting_failed_requests(tiny_checkpoint: Path) -> None:

@@ -1,10 +1,11 @@
-"""The encoder's linear layers on weights prepacked for oneDNN (model/prepacked.py): the same
-vectors as torch's own `F.linear` on the checkpoint layout, and only where oneDNN runs them."""
+"""The encoder's linear layers on weights prepacked for MKL or oneDNN (model/prepacked.py): the
+same vectors as torch's own `F.linear` on the checkpoint layout, and only where they run."""
 
 from __future__ import annotations
 
 import platform
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -15,14 +16,17 @@ from model.activations import Activation, activate
 from model.embedder import BatchOutput
 from model.prepacked import (
     ROW_BUCKETS,
+    MklLinear,
+    OnednnLinear,
     PrepackedLinear,
     bucket_rows,
     can_prepack,
     linear_activated,
     linear_plus,
+    mkl_packs_float32,
+    packed_twin,
     padded_rows,
     prepack_linears,
-    worth_prepacking,
 )
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
 
@@ -32,7 +36,7 @@ TEXTS = [
     "The cat sits outside while the dog plays in the garden.",
     "Größe 東京 🚀 " * 20,
 ]
-# float32: oneDNN's products against MKL's differ only by rounding (2e-7 seen). bfloat16:
+# float32: the kernels' products differ from F.linear's only by rounding (2e-7 seen). bfloat16:
 # prepacked layers add their residual and apply their activation inside the product, before
 # rounding to bfloat16, where the plain ones round first: a bfloat16 step of slack.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
@@ -40,10 +44,28 @@ MIN_COSINE = {torch.float32: 0.99999, torch.bfloat16: 0.9999}
 BF16_STEP = 2**-8  # bfloat16's relative precision
 
 
+KERNELS = [MklLinear, OnednnLinear]
+
+
 @pytest.fixture
 def every_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny model's float32 layers prepacked too, which alone would stay on F.linear."""
-    monkeypatch.setattr(prepacked, "MIN_PREPACKED_WEIGHTS", 0)
+    monkeypatch.setattr(prepacked, "MIN_MKL_WEIGHTS", 0)
+    monkeypatch.setattr(prepacked, "MIN_ONEDNN_FLOAT32_WEIGHTS", 0)
+
+
+def runs_here(kernel: type[PrepackedLinear], dtype: torch.dtype) -> bool:
+    """Whether `kernel` can compute `dtype` on this machine, chosen by model.prepacked or not
+    (MKL's is chosen on Intel CPUs only, but runs on any x86 CPU)."""
+    if kernel is OnednnLinear:
+        with mock.patch.object(prepacked, "mkl_packs_float32", lambda: False):
+            return can_prepack(CPU, dtype)
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    return x86 and dtype == torch.float32 and mkl_built()
+
+
+def mkl_built() -> bool:
+    return bool(torch.backends.mkl.is_available())  # type: ignore[no-untyped-call]
 
 
 def linears(embedder: Embedder) -> tuple[int, int]:
@@ -131,24 +153,84 @@ def test_a_prepacked_layer_refuses_to_be_moved_or_saved(tiny_checkpoint: Path) -
         network.state_dict()
 
 
-def test_prepacking_only_where_onednn_runs_the_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prepacking_only_where_a_kernel_runs_the_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     if platform.machine() == "x86_64":  # CI's machines: float32 is always prepacked there
         assert can_prepack(CPU, torch.float32)
     assert not can_prepack(CPU, torch.float16)
     assert not can_prepack(torch.device("cuda"), torch.float32)
-    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # oneDNN off: F.linear
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # oneDNN off
+    assert not can_prepack(CPU, torch.bfloat16)
+    # MKL's float32 packing needs no oneDNN kernel; where it is not chosen, F.linear.
+    assert can_prepack(CPU, torch.float32) is mkl_packs_float32()
+    monkeypatch.setattr(prepacked, "mkl_packs_float32", lambda: False)
     assert not can_prepack(CPU, torch.float32)
 
 
+@pytest.mark.parametrize(
+    ("vendor", "chosen"), [("GenuineIntel", True), ("AuthenticAMD", False), ("", False)]
+)
+def test_mkl_packs_float32_on_intel_cpus_only(
+    vendor: str, chosen: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Measured faster than oneDNN on Intel; elsewhere float32 stays on oneDNN, as measured
+    there."""
+    if not mkl_built():
+        pytest.skip("this torch has no MKL")
+    mkl_packs_float32.cache_clear()
+    monkeypatch.setattr(prepacked, "cpu_vendor", lambda: vendor)
+    try:
+        assert mkl_packs_float32() is chosen
+    finally:
+        mkl_packs_float32.cache_clear()
+
+
 def test_only_float32_layers_large_enough_to_gain_are_prepacked() -> None:
-    """A small float32 product is faster on F.linear than through oneDNN's setup per call
-    (the tiny model's, 32 wide); where the line lies: test_worth_prepacking_..."""
+    """A small float32 product is as fast on F.linear (the tiny model's, 32 wide); where the
+    line lies: test_the_kernel_chosen_by_dtype_vendor_and_size."""
     if not can_prepack(CPU, torch.float32):
-        pytest.skip("oneDNN does not run float32 here")
+        pytest.skip("no kernel runs float32 here")
     sizes = [(32, 96), (384, 384), (384, 1536)]  # the last two: all-MiniLM-L6-v2's smallest
     network = nn.Sequential(*(nn.Linear(*size) for size in sizes))
     assert prepack_linears(network) == 2
-    assert [type(layer) for layer in network] == [nn.Linear, PrepackedLinear, PrepackedLinear]
+    kernel = MklLinear if mkl_packs_float32() else OnednnLinear
+    assert [type(layer) for layer in network] == [nn.Linear, kernel, kernel]
+
+
+@pytest.mark.parametrize("intel", [True, False])
+def test_the_kernel_chosen_by_dtype_vendor_and_size(
+    intel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32 on MKL from 2^16 weights on Intel, on oneDNN from 2^17 elsewhere; bfloat16 on
+    oneDNN at any size (its F.linear lays the weight out on every call)."""
+    kernel = MklLinear if intel else OnednnLinear
+    if not runs_here(kernel, torch.float32):
+        pytest.skip(f"{kernel.__name__} does not run here")
+    monkeypatch.setattr(prepacked, "mkl_packs_float32", lambda: intel)
+    smallest = 1 << 16 if intel else 1 << 17
+    assert isinstance(packed_twin(nn.Linear(256, smallest // 256)), kernel)
+    assert packed_twin(nn.Linear(255, smallest // 256)) is None
+    if runs_here(OnednnLinear, torch.bfloat16):
+        assert isinstance(packed_twin(nn.Linear(32, 96).to(torch.bfloat16)), OnednnLinear)
+
+
+def test_mkl_runs_any_row_count_on_one_packed_weight_and_keeps_no_copy() -> None:
+    """The weight is packed once, for EXPECTED_ROWS rows, and every call tells MKL its own row
+    count: the products must still be F.linear's for every count, on and off that one (which
+    pins that MKL's packed layout does not depend on it). Only the packed weight is kept."""
+    if not runs_here(MklLinear, torch.float32):
+        pytest.skip("this torch has no MKL")
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 160)
+    packed = MklLinear(layer)
+    assert packed.shape.shape == layer.weight.shape
+    assert packed.shape.untyped_storage().nbytes() == 4  # one float, not a copy
+    with torch.inference_mode():
+        for rows in [*range(0, 130), 255, 256, 257, 1000, 4099]:
+            x = torch.randn(rows, 96)
+            ours = packed(x)
+            assert ours.shape == (rows, 160)
+            if rows:
+                assert (ours - layer(x)).abs().max().item() <= 1e-5, rows
 
 
 def test_row_counts_round_up_to_a_few_sizes() -> None:
@@ -171,11 +253,11 @@ def test_a_layer_runs_on_a_bucket_of_rows_and_answers_for_its_own(
 ) -> None:
     """Padded with rows of zeros up to its bucket, the product gives each real row what
     F.linear gives it (and the activation and residual too), in the input's own shape."""
-    if not can_prepack(CPU, dtype):
+    if not runs_here(OnednnLinear, dtype):
         pytest.skip(f"oneDNN does not run {dtype} on this CPU")
     torch.manual_seed(0)
     layer = nn.Linear(32, 48).to(dtype)
-    packed = PrepackedLinear(layer)
+    packed = OnednnLinear(layer)
     x = torch.randn(shape, dtype=dtype)
     residual = torch.randn((*shape[:-1], 48), dtype=dtype)
     rows = x.numel() // 32
@@ -202,14 +284,17 @@ def test_a_layer_runs_on_a_bucket_of_rows_and_answers_for_its_own(
             assert (ours.float() - reference.float()).abs().max().item() <= tolerance, name
 
 
-def test_a_residual_of_another_shape_is_broadcast_as_a_separate_step() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_residual_of_another_shape_is_broadcast_as_a_separate_step(
+    kernel: type[PrepackedLinear],
+) -> None:
     """Fused, rows padded apart would pair the wrong rows: a residual that is not the
     output's shape is added after the product, as torch broadcasts it."""
-    if not can_prepack(CPU, torch.float32):
-        pytest.skip("oneDNN does not run float32 here")
+    if not runs_here(kernel, torch.float32):
+        pytest.skip(f"{kernel.__name__} does not run float32 here")
     torch.manual_seed(0)
     layer = nn.Linear(32, 48)
-    packed = PrepackedLinear(layer)
+    packed = kernel(layer)
     x = torch.randn(2, 37, 32)
     with torch.inference_mode():
         for residual in (torch.randn(37, 48), torch.randn(48)):
@@ -218,21 +303,16 @@ def test_a_residual_of_another_shape_is_broadcast_as_a_separate_step() -> None:
             assert (summed - (layer(x) + residual)).abs().max().item() <= 1e-5
 
 
-def test_worth_prepacking_from_2_17_float32_weights_or_in_bfloat16() -> None:
-    """bfloat16's F.linear lays the weight out on every call: any size is worth it."""
-    assert prepacked.MIN_PREPACKED_WEIGHTS == 256 * 512
-    assert worth_prepacking(nn.Linear(256, 512))
-    assert not worth_prepacking(nn.Linear(255, 512))
-    assert worth_prepacking(nn.Linear(32, 96).to(torch.bfloat16))
-
-
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
-def test_fused_activation_and_residual_equal_the_separate_steps(activation: Activation) -> None:
-    if not can_prepack(CPU, torch.float32):
-        pytest.skip("oneDNN does not run float32 here")
+def test_fused_activation_and_residual_equal_the_separate_steps(
+    activation: Activation, kernel: type[PrepackedLinear]
+) -> None:
+    if not runs_here(kernel, torch.float32):
+        pytest.skip(f"{kernel.__name__} does not run float32 here")
     torch.manual_seed(0)
     layer = nn.Linear(32, 48)
-    packed = PrepackedLinear(layer)
+    packed = kernel(layer)
     x, residual = torch.randn(7, 32), torch.randn(7, 48)
     with torch.inference_mode():
         fused = linear_activated(packed, x, activation)

@@ -1,0 +1,33 @@
+"""Linear layers whose weight is packed into an opaque tensor for one kernel
+(model/prepacked.py, model/int8.py), which therefore refuse to be moved, converted or saved."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, NoReturn
+
+from torch import Tensor, nn
+
+
+class FrozenLinear(nn.Module):
+    """`nn.Linear`'s shape on an opaque packed weight, for inference only. Moving, converting
+    or saving the layer raises `refusal` (formatted with what was tried), where the opaque
+    weight would otherwise be skipped, or fail deep inside its kernel."""
+
+    refusal: ClassVar[str]
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> NoReturn:
+        raise RuntimeError(self.refusal.format("moved or converted"))
+
+    def _save_to_state_dict(
+        self, destination: Mapping[str, Any], prefix: str, keep_vars: bool
+    ) -> NoReturn:
+        raise RuntimeError(self.refusal.format("saved"))
