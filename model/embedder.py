@@ -80,7 +80,7 @@ class Embedder:
         self.graphs: GraphedForward | None = None
         if cuda_graphs and self.device.type == "cuda" and isinstance(head, EmbeddingPipeline):
             self.graphs = GraphedForward(self.pooled_forward, self.device, info.max_input_tokens)
-        # On a CPU the encoder's linear layers run on weights laid out once for oneDNN
+        # On a CPU the encoder's linear layers run on weights laid out once for their kernel
         # (model/prepacked.py); how many, for the log.
         self.prepacked = 0
         # Or in int8 where the operator asked for it (model/int8.py); how many.

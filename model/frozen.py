@@ -14,7 +14,7 @@ class FrozenLinear(nn.Module):
     or saving the layer raises `refusal` (formatted with what was tried), where the opaque
     weight would otherwise be skipped, or fail deep inside its kernel."""
 
-    refusal: ClassVar[str]
+    refusal: ClassVar[str] = "a packed linear layer cannot be {}"
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

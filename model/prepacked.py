@@ -4,8 +4,9 @@ torch's `F.linear` takes weights in their checkpoint layout, so each call pays f
 them to the kernel: in bfloat16 oneDNN's own kernel, in float32 MKL's GEMM, slow on a few
 rows. Laid out once at load, the same products run without that cost, which matters most
 for small batches (`python -m bench.layers` compares; docs/benchmarks.md). Two kernels:
-- float32 on Intel CPUs: MKL's GEMM on its own packed layout (`MklLinear`), where it measured
-  faster than oneDNN at every batch, and free of oneDNN's set-up per call;
+- float32 on Intel CPUs (as Linux names the vendor): MKL's GEMM on its own packed layout
+  (`MklLinear`), which measured faster than oneDNN in the whole model on one sentence and on
+  batches, and pays no set-up per call;
 - bfloat16, and float32 on other x86 CPUs (measured on AMD before MKL's packing was tried):
   oneDNN (`OnednnLinear`), which also takes the step after the product into the same call
   where an encoder asks (`linear_activated`, `linear_plus`): the activation, or the
@@ -22,6 +23,7 @@ says the CPU supports it. `prepack=False` (`--no-prepack`) keeps torch's `F.line
 from __future__ import annotations
 
 import functools
+import logging
 import platform
 
 import torch
@@ -32,9 +34,12 @@ from model.activations import Activation, activate, activate_
 from model.device import cpu_vendor
 from model.frozen import FrozenLinear
 
-# The rows a weight is laid out for: a few sentences' tokens; any row count runs on it. A
-# oneDNN layout for one row made a single sentence slower, and one for many rows gained
-# nothing on batches, so the layout suits the requests a server sees most.
+log = logging.getLogger(__name__)
+
+# The rows oneDNN lays a weight out for: a few sentences' tokens; any row count runs on it. A
+# layout for one row made a single sentence slower, and one for many rows gained nothing on
+# batches, so the layout suits the requests a server sees most. For MKL it only sizes the
+# packed buffer.
 EXPECTED_ROWS = 64
 # The smallest float32 weight (in_features x out_features) packed for MKL: smaller products
 # ran as fast on `F.linear` (`python -m bench.layers`; docs/benchmarks.md).
@@ -84,9 +89,12 @@ class PrepackedLinear(FrozenLinear):
         self.bias = linear.bias
 
     def activated(self, x: Tensor, activation: Activation) -> Tensor:
-        return activate(self(x), activation)
+        """`activation(self(x))`, as each kernel does it best."""
+        raise NotImplementedError
 
     def plus(self, x: Tensor, residual: Tensor) -> Tensor:
+        """`self(x) + residual`; each kernel does better where the residual has the output's
+        shape."""
         out: Tensor = self(x) + residual
         return out
 
@@ -99,17 +107,30 @@ class MklLinear(PrepackedLinear):
         super().__init__(linear)
         weight = linear.weight.detach()
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, EXPECTED_ROWS)
-        # The op reads the checkpoint's weight for its shape only, once told the call's own
-        # row count (MKL's packed layout of the weight does not depend on it, which
-        # test_prepacked pins): a view of one zero stands in, and the weight is freed.
-        self.shape = weight.new_zeros(()).expand_as(weight)
+        # Told each call's own row count, the op takes MKL's packed path and reads the
+        # checkpoint's weight for its shape only: a view of one zero stands in, and the weight
+        # is freed. MKL's packed layout does not depend on the row count (`agrees`, checked
+        # at load; test_prepacked). Off that path the op would multiply by the stand-in,
+        # silently.
+        self.weight_stand_in = weight.new_zeros(()).expand_as(weight)
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features)
         out: Tensor = torch.ops.mkl._mkl_linear(
-            flat, self.packed, self.shape, self.bias, flat.shape[0]
+            flat, self.packed, self.weight_stand_in, self.bias, flat.shape[0]
         )
         return out.view(*x.shape[:-1], self.out_features)
+
+    def agrees(self, linear: nn.Linear) -> bool:
+        """Whether the packed products equal `linear`'s on row counts off and on the one the
+        weight was packed for: what passing each call's own count relies on."""
+        numbers = torch.Generator().manual_seed(0)  # the global generator left alone
+        with torch.inference_mode():
+            for rows in (1, EXPECTED_ROWS, EXPECTED_ROWS + 3):
+                x = torch.randn(rows, self.in_features, generator=numbers)
+                if not torch.allclose(self(x), linear(x), rtol=1e-4, atol=1e-4):
+                    return False
+        return True
 
     def activated(self, x: Tensor, activation: Activation) -> Tensor:
         """The activation in place on the product's fresh output: no second tensor."""
@@ -209,9 +230,15 @@ def packed_twin(linear: nn.Linear) -> PrepackedLinear | None:
     size = linear.weight.numel()
     if linear.weight.dtype != torch.float32:
         return OnednnLinear(linear)
-    if mkl_packs_float32():
-        return MklLinear(linear) if size >= MIN_MKL_WEIGHTS else None
-    return OnednnLinear(linear) if size >= MIN_ONEDNN_FLOAT32_WEIGHTS else None
+    if not mkl_packs_float32():
+        return OnednnLinear(linear) if size >= MIN_ONEDNN_FLOAT32_WEIGHTS else None
+    if size < MIN_MKL_WEIGHTS:
+        return None
+    twin = MklLinear(linear)
+    if twin.agrees(linear):
+        return twin
+    log.warning("MKL's packed products differ from torch's here: F.linear instead")
+    return None
 
 
 def prepack_linears(network: nn.Module) -> int:

@@ -3,7 +3,9 @@ same vectors as torch's own `F.linear` on the checkpoint layout, and only where 
 
 from __future__ import annotations
 
+import logging
 import platform
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -14,6 +16,7 @@ from torch import nn
 from model import AttentionSpec, Embedder, prepacked
 from model.activations import Activation, activate
 from model.embedder import BatchOutput
+from model.frozen import FrozenLinear
 from model.prepacked import (
     ROW_BUCKETS,
     MklLinear,
@@ -76,16 +79,42 @@ def linears(embedder: Embedder) -> tuple[int, int]:
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prepacked_real_model_gives_the_vectors_of_f_linear(dtype: torch.dtype) -> None:
-    if not can_prepack(CPU, dtype):
-        pytest.skip(f"oneDNN does not run {dtype} on this CPU")  # bfloat16 without AVX-512
+# Every kernel each dtype can run on, whichever this machine's CPU would choose.
+DTYPE_KERNELS = [
+    (torch.float32, MklLinear),
+    (torch.float32, OnednnLinear),
+    (torch.bfloat16, OnednnLinear),
+]
+
+
+@pytest.fixture
+def on_kernel(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> type[PrepackedLinear]:
+    """The test's (dtype, kernel) made the one chosen, or the test skipped where it cannot
+    run."""
+    dtype, kernel = request.param
+    if not runs_here(kernel, dtype):
+        pytest.skip(f"{kernel.__name__} does not run {dtype} on this CPU")
+    monkeypatch.setattr(prepacked, "mkl_packs_float32", lambda: kernel is MklLinear)
+    return kernel  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "on_kernel"), [(d, (d, k)) for d, k in DTYPE_KERNELS], indirect=["on_kernel"]
+)
+def test_prepacked_real_model_gives_the_vectors_of_f_linear(
+    dtype: torch.dtype, on_kernel: type[PrepackedLinear]
+) -> None:
     folder = resolve_model_dir(DEFAULT_MODEL_ID)
     packed = Embedder.from_folder(folder, CPU, dtype)
     plain = Embedder.from_folder(folder, CPU, dtype, prepack=False)
     # all-MiniLM-L6-v2: joined QKV, output, and the two feed-forward layers, in 6 layers.
     assert packed.prepacked == 24
     assert linears(packed) == (0, 24)
+    assert all(
+        type(m) is on_kernel for m in packed.network.modules() if isinstance(m, PrepackedLinear)
+    )
     assert plain.prepacked == 0
     assert linears(plain) == (24, 0)
     ours, theirs = packed.embed(TEXTS), plain.embed(TEXTS)
@@ -94,20 +123,21 @@ def test_prepacked_real_model_gives_the_vectors_of_f_linear(dtype: torch.dtype) 
 
 
 @pytest.mark.usefixtures("every_size")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "on_kernel"), [(d, (d, k)) for d, k in DTYPE_KERNELS], indirect=["on_kernel"]
+)
 def test_prepacked_token_embeddings_and_attention_maps(
-    tiny_checkpoint: Path, dtype: torch.dtype
+    tiny_checkpoint: Path, dtype: torch.dtype, on_kernel: type[PrepackedLinear]
 ) -> None:
     """The other outputs read the same layers: per-token vectors and the attention maps. In
     float32 they equal the plain layers' to rounding; in bfloat16, where the fused steps round
     at other places, they are as far from float32's as the plain layers' are, within one
     bfloat16 step (which way depends on the weights)."""
-    if not can_prepack(CPU, dtype):
-        pytest.skip(f"oneDNN does not run {dtype} on this CPU")
     packed = Embedder.from_folder(tiny_checkpoint, CPU, dtype)
     plain = Embedder.from_folder(tiny_checkpoint, CPU, dtype, prepack=False)
     exact = Embedder.from_folder(tiny_checkpoint, CPU, torch.float32, prepack=False)
     assert packed.prepacked > 0
+    assert any(type(m) is on_kernel for m in packed.network.modules())
     spec = AttentionSpec(layers=(0, 1), heads=(0, 1))
     batch = packed.tokenize(TEXTS)
     ours, theirs, reference = (
@@ -213,24 +243,79 @@ def test_the_kernel_chosen_by_dtype_vendor_and_size(
         assert isinstance(packed_twin(nn.Linear(32, 96).to(torch.bfloat16)), OnednnLinear)
 
 
-def test_mkl_runs_any_row_count_on_one_packed_weight_and_keeps_no_copy() -> None:
+@pytest.mark.parametrize(("inputs", "outputs", "bias"), [(96, 160, True), (384, 1536, False)])
+def test_mkl_runs_any_row_count_on_one_packed_weight_and_keeps_no_copy(
+    inputs: int, outputs: int, bias: bool
+) -> None:
     """The weight is packed once, for EXPECTED_ROWS rows, and every call tells MKL its own row
     count: the products must still be F.linear's for every count, on and off that one (which
     pins that MKL's packed layout does not depend on it). Only the packed weight is kept."""
     if not runs_here(MklLinear, torch.float32):
         pytest.skip("this torch has no MKL")
     torch.manual_seed(0)
-    layer = nn.Linear(96, 160)
+    layer = nn.Linear(inputs, outputs, bias=bias)
     packed = MklLinear(layer)
-    assert packed.shape.shape == layer.weight.shape
-    assert packed.shape.untyped_storage().nbytes() == 4  # one float, not a copy
+    assert packed.agrees(layer)
+    assert packed.weight_stand_in.shape == layer.weight.shape
+    assert packed.weight_stand_in.untyped_storage().nbytes() == 4  # one float, not a copy
     with torch.inference_mode():
         for rows in [*range(0, 130), 255, 256, 257, 1000, 4099]:
-            x = torch.randn(rows, 96)
+            x = torch.randn(rows, inputs)
             ours = packed(x)
-            assert ours.shape == (rows, 160)
+            assert ours.shape == (rows, outputs)
             if rows:
-                assert (ours - layer(x)).abs().max().item() <= 1e-5, rows
+                assert (ours - layer(x)).abs().max().item() <= 1e-4, rows
+
+
+MKL_INPUTS = {
+    "1-D": lambda: torch.randn(48),
+    "3-D": lambda: torch.randn(3, 13, 48),
+    "empty": lambda: torch.randn(0, 48),
+    "transposed view": lambda: torch.randn(48, 7).t(),
+}
+
+
+@pytest.mark.parametrize("make", MKL_INPUTS.values(), ids=MKL_INPUTS.keys())
+def test_mkl_takes_any_input_shape_and_layout(make: Callable[[], torch.Tensor]) -> None:
+    """Each gives F.linear's products, in the input's shape."""
+    if not runs_here(MklLinear, torch.float32):
+        pytest.skip("this torch has no MKL")
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 40)
+    packed = MklLinear(layer)
+    x = make()
+    with torch.inference_mode():
+        ours = packed(x)
+        assert ours.shape == (*x.shape[:-1], 40)
+        if x.numel():
+            assert (ours - layer(x)).abs().max().item() <= 1e-5
+
+
+def test_mkl_is_not_used_where_its_products_disagree(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Should a torch or MKL ever tie the packed layout to its row count, the layer stays on
+    F.linear, with a warning, instead of giving other vectors."""
+    if not runs_here(MklLinear, torch.float32):
+        pytest.skip("this torch has no MKL")
+    monkeypatch.setattr(prepacked, "mkl_packs_float32", lambda: True)
+    monkeypatch.setattr(MklLinear, "agrees", lambda self, linear: False)
+    with caplog.at_level(logging.WARNING, logger="model.prepacked"):
+        assert packed_twin(nn.Linear(384, 384)) is None
+    assert "MKL's packed products differ from torch's here" in caplog.text
+
+
+def test_a_frozen_layer_names_what_it_refused() -> None:
+    """A kernel's layer without its own message still refuses with one."""
+
+    class Bare(FrozenLinear):
+        pass
+
+    layer = Bare(nn.Linear(4, 4))
+    with pytest.raises(RuntimeError, match="a packed linear layer cannot be saved"):
+        layer.state_dict()
+    with pytest.raises(RuntimeError, match="cannot be moved or converted"):
+        layer.to(torch.float16)
 
 
 def test_row_counts_round_up_to_a_few_sizes() -> None:
