@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 
 import numpy as np
+import torch
 
 from app.cores import CoreLease
 from app.engine.batcher import Batcher, Deliver
@@ -64,7 +65,12 @@ class ModelEngine:
         settings = self.settings
         threads = settings.engine_threads()
         log.info("%d torch threads", threads)
-        self.compute = compute = ComputeThread(threads)
+        # Loaded on the most threads a pass may take (all the engines' cores, for a lone
+        # pass: app/cores.py), then run on its own: MKL lays a weight out for the threads
+        # that pack it, and a single sentence packed on one thread ran on one thread's
+        # speed on two (model/prepacked.py; docs/benchmarks.md).
+        most = threads if self.cores is None else max(threads, self.cores.pool.size)
+        self.compute = compute = ComputeThread(most)
         embedder = compute.submit(
             Embedder.load,
             self.served.model_id,
@@ -76,6 +82,8 @@ class ModelEngine:
             cuda_graphs=settings.cuda_graphs,
             prepack=settings.prepack,
         ).result()
+        if most != threads:
+            compute.submit(torch.set_num_threads, threads).result()
         if embedder.prepacked:
             log.info("%d linear layers prepacked (%s)", embedder.prepacked, kernels(embedder))
         if embedder.quantized:

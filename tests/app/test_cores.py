@@ -13,11 +13,18 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.synchronize import Event as EventType
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from app import cores
 from app.cores import RECENTLY_BUSY, CoreLease, CorePool
+from app.engine.model_engine import ModelEngine
+from app.metrics import Metrics
+from model import Embedder
+from tests.app.conftest import make_settings
 
 # Long enough for a thread that should block to have got through, were it not blocked.
 BLOCKED_FOR = 0.3
@@ -119,3 +126,32 @@ def test_a_worker_killed_mid_pass_blocks_nobody(pool: CorePool) -> None:
         assert thread.submit(one_pass).result(timeout=5) == 1
         pool.forget(0)  # what the supervisor does when a worker exits
         assert thread.submit(one_pass).result(timeout=5) == 2
+
+
+def test_an_engine_loads_on_every_core_a_pass_may_take_and_runs_on_its_share(
+    pool: CorePool, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MKL lays a weight out for the threads that pack it (model/prepacked.py): the model is
+    loaded on as many threads as a lone pass takes, and the engine then runs (from its
+    warm-up on) on its share."""
+    settings = make_settings(tiny_checkpoint, threads=1)
+    engine = ModelEngine(
+        settings, settings.models()[0], Metrics().of("tiny"), "cpu", CoreLease(pool, 0), None
+    )
+    threads_at: dict[str, int] = {}
+    load, warm_up = Embedder.load, ModelEngine._warm_up
+
+    def loading(*args: Any, **kwargs: Any) -> Embedder:
+        threads_at["load"] = torch.get_num_threads()
+        return load(*args, **kwargs)
+
+    def warming(embedder: Embedder) -> float:
+        threads_at["warm-up"] = torch.get_num_threads()
+        return warm_up(embedder)
+
+    monkeypatch.setattr(Embedder, "load", loading)
+    monkeypatch.setattr(ModelEngine, "_warm_up", staticmethod(warming))
+    engine.load(lambda deliveries: None)
+    engine.stop()
+    assert threads_at == {"load": pool.size, "warm-up": 1}
+    assert pool.size == 2
