@@ -106,7 +106,11 @@ def free_port() -> int:
 class Server:
     """`python -m app` on a loopback port, with its peak memory read from /proc."""
 
-    def __init__(self, flags: Sequence[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, flags: Sequence[str], env: dict[str, str] | None = None, source: Path | None = None
+    ) -> None:
+        """`source`: a checkout whose code the server runs (`python -m app` imports from its
+        working directory first), else this one's."""
         self.port = free_port()
         self.engines = engines_in(flags)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -114,6 +118,7 @@ class Server:
         self.process = subprocess.Popen(
             [*command, "--log-level", "warning", *flags],
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            cwd=source,
         )
 
     def wait_ready(self, within: float = 180, poll: float = 0.2) -> None:

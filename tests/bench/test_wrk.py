@@ -1,7 +1,9 @@
-"""The load generator's helpers: wrk's cores, and the batch sums read from /metrics."""
+"""The load generator's helpers: wrk's cores, the batch sums read from /metrics, and the
+side-by-side comparison's order and summary."""
 
 from __future__ import annotations
 
+from bench.side_by_side import WORKING_TREE, summary, turns
 from bench.wrk import Batches, core_list
 
 
@@ -24,3 +26,10 @@ def test_batch_sums_add_up_every_label() -> None:
         ]
     )
     assert Batches.from_metrics(exposition) == Batches(5.0, 30.0, 0.5, 0.25)
+
+
+def test_side_by_side_alternates_the_builds_and_summarises_each() -> None:
+    """Neither build always runs first; each load's figures read as their range and median."""
+    builds = ["f477bca", WORKING_TREE]
+    assert [turns(builds, index) for index in range(3)] == [builds, builds[::-1], builds]
+    assert summary([11.5, 9.5, 12.0, 10.5]) == "9.5 to 12.0 (median 11.0)"
