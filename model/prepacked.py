@@ -101,7 +101,8 @@ class PrepackedLinear(FrozenLinear):
 
 class MklLinear(PrepackedLinear):
     """float32 on MKL's packed GEMM, on every call's own rows. The activation and the residual
-    follow as steps of their own."""
+    follow as steps of their own. MKL lays the weight out for the threads that pack it: load
+    the model on the most threads a pass will run on (app/engine/model_engine.py does)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
