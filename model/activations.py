@@ -20,17 +20,12 @@ ACTIVATIONS: dict[str, Activation] = {
 }
 
 
-def activate(x: Tensor, activation: Activation) -> Tensor:
+def activate(x: Tensor, activation: Activation, *, in_place: bool = False) -> Tensor:
+    """`activation(x)`; `in_place` overwrites `x`, a tensor no one else reads."""
     if activation == "relu":
-        return F.relu(x)
-    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
-
-
-def activate_(x: Tensor, activation: Activation) -> Tensor:
-    """`activate` in place, on a tensor no one else reads."""
-    if activation == "relu":
-        return F.relu_(x)
-    gelu_: Tensor = torch.ops.aten.gelu_(
-        x, approximate="tanh" if activation == "gelu_tanh" else "none"
-    )
-    return gelu_
+        return F.relu(x, inplace=in_place)
+    approximate = "tanh" if activation == "gelu_tanh" else "none"
+    if in_place:
+        gelu_: Tensor = torch.ops.aten.gelu_(x, approximate=approximate)
+        return gelu_
+    return F.gelu(x, approximate=approximate)

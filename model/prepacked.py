@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.activations import Activation, activate, activate_
+from model.activations import Activation, activate
 from model.device import cpu_vendor
 from model.frozen import FrozenLinear
 
@@ -93,10 +93,15 @@ class PrepackedLinear(FrozenLinear):
         raise NotImplementedError
 
     def plus(self, x: Tensor, residual: Tensor) -> Tensor:
-        """`self(x) + residual`; each kernel does better where the residual has the output's
-        shape."""
+        """`self(x) + residual`: in the kernel's own way where the residual has the output's
+        shape, else broadcast after the product."""
+        if residual.shape == (*x.shape[:-1], self.out_features):
+            return self._plus_same_shape(x, residual)
         out: Tensor = self(x) + residual
         return out
+
+    def _plus_same_shape(self, x: Tensor, residual: Tensor) -> Tensor:
+        raise NotImplementedError
 
 
 class MklLinear(PrepackedLinear):
@@ -135,12 +140,10 @@ class MklLinear(PrepackedLinear):
 
     def activated(self, x: Tensor, activation: Activation) -> Tensor:
         """The activation in place on the product's fresh output: no second tensor."""
-        return activate_(self(x), activation)
+        return activate(self(x), activation, in_place=True)
 
-    def plus(self, x: Tensor, residual: Tensor) -> Tensor:
-        """The residual added in place where it has the output's shape."""
-        if residual.shape != (*x.shape[:-1], self.out_features):
-            return super().plus(x, residual)
+    def _plus_same_shape(self, x: Tensor, residual: Tensor) -> Tensor:
+        """Added in place on the product's fresh output."""
         out: Tensor = self(x).add_(residual)
         return out
 
@@ -169,11 +172,8 @@ class OnednnLinear(PrepackedLinear):
         )
         return self._shaped(out, rows, x)
 
-    def plus(self, x: Tensor, residual: Tensor) -> Tensor:
-        """self(x) + residual, the addition as the product's post-op where the residual has
-        the output's shape (else broadcast, as a separate step)."""
-        if residual.shape != (*x.shape[:-1], self.out_features):
-            return super().plus(x, residual)
+    def _plus_same_shape(self, x: Tensor, residual: Tensor) -> Tensor:
+        """The addition as the product's post-op, on rows padded alike."""
         flat, rows = padded_rows(x)
         added, _ = padded_rows(residual)
         out: Tensor = torch.ops.mkldnn._linear_pointwise.binary(
@@ -240,6 +240,12 @@ def packed_twin(linear: nn.Linear) -> PrepackedLinear | None:
         return twin
     log.warning("MKL's packed products differ from torch's here: F.linear instead")
     return None
+
+
+def kernel_names(network: nn.Module) -> str:
+    """The kernels `network`'s prepacked layers run on, by class name, for the log."""
+    names = {type(m).__name__ for m in network.modules() if isinstance(m, PrepackedLinear)}
+    return ", ".join(sorted(names))
 
 
 def prepack_linears(network: nn.Module) -> int:

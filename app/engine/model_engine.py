@@ -21,7 +21,7 @@ from app.settings import ServedModel, Settings
 from model import Embedder, Encoded
 from model.codec import ModelCard
 from model.info import Task
-from model.prepacked import PrepackedLinear
+from model.prepacked import kernel_names
 from model.quantization import builtin_calibration_texts, read_calibration_file
 from model.shared_weights import WeightStore
 from model.vectors import FloatArray
@@ -85,7 +85,8 @@ class ModelEngine:
         if most != threads:
             compute.submit(torch.set_num_threads, threads).result()
         if embedder.prepacked:
-            log.info("%d linear layers prepacked (%s)", embedder.prepacked, kernels(embedder))
+            kernels = kernel_names(embedder.network)
+            log.info("%d linear layers prepacked (%s)", embedder.prepacked, kernels)
         if embedder.quantized:
             log.info("%d linear layers in int8", embedder.quantized)
         if self.weights is not None:
@@ -167,9 +168,3 @@ class ModelEngine:
             self.batcher.stop()
         if self.compute is not None:
             self.compute.close()
-
-
-def kernels(embedder: Embedder) -> str:
-    """The kernels the encoder's prepacked layers run on, by class name."""
-    names = {type(m).__name__ for m in embedder.network.modules() if isinstance(m, PrepackedLinear)}
-    return ", ".join(sorted(names))
