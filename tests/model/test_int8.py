@@ -52,6 +52,27 @@ def test_int8_linear_is_close_to_the_float_layer(reduce_range: bool) -> None:
 
 
 @needs_int8
+def test_a_call_never_asks_the_packed_weight_for_torch_function(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The question costs a C++ exception thrown and caught per layer call (model/int8.py)."""
+    layer = Int8Linear(nn.Linear(16, 8), reduce_range=False)
+    asked: list[str] = []
+    answer = torch.ScriptObject.__getattr__  # type: ignore[attr-defined]  # pybind11 defines it
+
+    def spy(packed: torch.ScriptObject, name: str) -> object:
+        asked.append(name)
+        return answer(packed, name)
+
+    monkeypatch.setattr(torch.ScriptObject, "__getattr__", spy)
+    x = torch.randn(2, 16)
+    layer(x)
+    assert asked == []
+    torch.ops.quantized.linear_dynamic(x, layer.packed, False)  # the spy sees a bare call's
+    assert "__torch_function__" in asked
+
+
+@needs_int8
 def test_only_exact_linear_layers_are_swapped_and_they_are_frozen() -> None:
     class Owned(nn.Linear):  # a subclass another module may read the weight of
         pass
