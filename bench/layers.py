@@ -8,6 +8,9 @@
   of 8 and 32; and one float32 layer of each of several sizes on each, on row counts that vary
   from call to call as a server's do (what model.prepacked's MIN_MKL_WEIGHTS and
   MIN_ONEDNN_FLOAT32_WEIGHTS were read from).
+- What bounds one sentence's products: the model's float32 linear layers on 16 rows one after
+  another as the model runs them, each alone with its weights hot in the caches, and the time
+  to read all their weights once.
 Usage: python -m bench.layers [--threads 2]
 """
 
@@ -127,6 +130,7 @@ def main() -> None:
         )
     compare_prepacked(args.repeats)
     compare_layer_sizes(args.repeats)
+    sentence_products(args.repeats)
 
 
 def forward_each(embedder: Embedder, batches: list[list[Encoded]]) -> None:
@@ -203,6 +207,53 @@ def each_row_count(layer: nn.Module, xs: list[torch.Tensor]) -> None:
     with torch.inference_mode():
         for x in xs:
             layer(x)
+
+
+def sentence_products(repeats: int, rows: int = 16) -> None:
+    """In the model's order each layer's weights come from memory; alone and repeated, from
+    the caches. Reading the weights once bounds the first from below, the second shows the
+    arithmetic."""
+    plain = on_kernel("F.linear", "float32")
+    linears = [m for m in plain.network.modules() if type(m) is nn.Linear]
+    weights = [layer.weight.detach() for layer in linears]
+    size = sum(w.numel() for w in weights)
+    flops = 2 * rows * size
+    kernels: dict[str, list[nn.Module]] = {"F.linear": list(linears)}
+    if prepacked.mkl_packs_float32():
+        kernels["mkl"] = [MklLinear(layer) for layer in linears]
+    x = torch.randn(rows, max(layer.in_features for layer in linears))
+    print(
+        f"one sentence's {len(linears)} float32 products, {rows} rows, "
+        f"{size * 4 / 1e6:.1f} MB of weights"
+    )
+    read = best_interleaved({"read": lambda: [w.sum() for w in weights]}, repeats * 4)["read"]
+    print(f"  reading the weights once: {read * 1e3:.2f} ms ({size * 4 / read / 1e9:.1f} GB/s)")
+    for kernel, layers in kernels.items():
+        in_order = best_interleaved(
+            {kernel: functools.partial(in_model_order, layers, x)}, repeats * 4
+        )[kernel]
+        hot = sum(each_hot(layer, x[:, : layer.in_features]) for layer in layers)
+        print(
+            f"  {kernel:8}: in the model's order {in_order * 1e3:.2f} ms, each layer hot "
+            f"{hot * 1e3:.2f} ms ({flops / hot / 1e9:.0f} GFLOP/s)"
+        )
+
+
+def in_model_order(layers: list[nn.Module], x: torch.Tensor) -> None:
+    with torch.inference_mode():
+        for layer in layers:
+            layer(x[:, : layer.in_features])
+
+
+def each_hot(layer: nn.Module, x: torch.Tensor, calls: int = 50) -> float:
+    """Seconds per call, the weights in the caches after the first calls."""
+    with torch.inference_mode():
+        for _ in range(5):
+            layer(x)
+        started = time.perf_counter()
+        for _ in range(calls):
+            layer(x)
+    return (time.perf_counter() - started) / calls
 
 
 if __name__ == "__main__":
