@@ -158,7 +158,11 @@ class Batcher:
         )
 
     def _queue_changed(self) -> None:
-        """After every change to the queue, with the lock held."""
+        """After the worker changes the queue (a batch taken, inputs dropped), with the lock
+        held. Arrivals publish only the admission state (`_publish_busy`): the queue gauges,
+        where an engine writes them to the shared metrics files, cost more than the rest of
+        admitting a request, so the worker refreshes them as it takes each batch: at once after
+        an arrival to an idle engine, else within a batch's time and the batch wait."""
         self._publish_queue()
         self._publish_busy()
 
@@ -239,7 +243,7 @@ class Batcher:
                 refused.append(None)
                 self._queue.extend(ticket.items)
                 self._queued_tokens += ticket.tokens
-            self._queue_changed()
+            self._publish_busy()
             self._condition.notify()
         return refused
 

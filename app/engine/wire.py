@@ -8,6 +8,7 @@ views on the front end, never Python lists. No torch here.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import struct
 from collections.abc import Sequence
@@ -137,6 +138,11 @@ def submitted(message: Submit) -> tuple[list[Encoded], Wants]:
         for ids, prompt, type_ids in zip(message.ids, message.prompt_lengths, types, strict=True)
     ]
     attention = message.attention
+    if attention is None and message.late is None:
+        plain = _plain_wants(
+            message.pooled, message.normalize, message.dimensions, message.token_embeddings
+        )
+        return encoded, plain
     spec = None
     if attention is not None:
         spec = AttentionSpec(tuple(attention[0]), tuple(attention[1]), attention[2])
@@ -147,6 +153,15 @@ def submitted(message: Submit) -> tuple[list[Encoded], Wants]:
         message.pooled, message.normalize, message.dimensions, message.token_embeddings, spec, late
     )
     return encoded, wants
+
+
+@functools.lru_cache(maxsize=256)
+def _plain_wants(
+    pooled: bool, normalize: bool, dimensions: int | None, token_embeddings: bool
+) -> Wants:
+    """The few kinds of request most send, each built once: building a frozen dataclass
+    costs a request more than decoding it does."""
+    return Wants(pooled, normalize, dimensions, token_embeddings)
 
 
 def failure_reply(request: int, error: ServiceError) -> Reply:

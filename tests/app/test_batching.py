@@ -248,6 +248,23 @@ def test_submit_is_all_or_nothing_and_an_empty_queue_takes_anything(
     assert batcher.depth == 1
 
 
+def test_arrivals_publish_the_admission_state_and_the_worker_the_queue_gauges(
+    tiny_embedder: Embedder,
+) -> None:
+    """An engine in its own process writes its queue gauges to the shared metrics files, a
+    cost each arrival would pay; the worker writes them as it takes a batch."""
+    batcher = make_batcher(tiny_embedder)
+    gauges: list[int] = []
+    board: list[int] = []
+    batcher._publish_queue = lambda: gauges.append(batcher.depth)
+    batcher.publish_to(lambda backlog, pace: board.append(backlog))
+    batcher.submit_all([(make_ticket(4), None), (make_ticket(5, 6), None)])
+    assert board[-1] == 15 and gauges == []  # front ends admit on the fresh backlog
+    batch = batcher._next_batch()
+    assert batch is not None and len(batch) == 3
+    assert gauges == [0] and board[-1] == 15  # all three now run
+
+
 async def test_a_lone_input_does_not_wait_out_the_batch_wait(tiny_embedder: Embedder) -> None:
     """Waiting for a fuller batch stops as soon as inputs stop arriving."""
     batcher = make_batcher(tiny_embedder, max_batch_inputs=8, batch_wait=30.0)

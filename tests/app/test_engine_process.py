@@ -13,9 +13,18 @@ import pytest
 
 from app.engine.batcher import Ticket
 from app.engine.process import EngineProcess, FrontEnd
-from app.engine.protocol import Wants
-from app.engine.wire import Abort, Frames, framed, reply_decoder, submit_message
+from app.engine.protocol import LateDocument, Wants
+from app.engine.wire import (
+    Abort,
+    Frames,
+    framed,
+    reply_decoder,
+    submit_message,
+    submitted,
+    to_engine_decoder,
+)
 from app.errors import OverloadedError, ServiceError
+from model.info import AttentionSpec
 from model.tokenizer import Encoded
 
 
@@ -47,6 +56,27 @@ def engine() -> Iterator[tuple[EngineProcess, socket.socket, FrontEnd]]:
 def submit(request: int) -> bytes:
     encoded = [Encoded([2, 5, 3], [], None, [], False)]
     return framed(submit_message(request, 10.0, encoded, Wants()))
+
+
+@pytest.mark.parametrize(
+    "wants",
+    [
+        Wants(),
+        Wants(pooled=False, normalize=False, dimensions=16, token_embeddings=True),
+        Wants(attention=AttentionSpec((0,), (1,), True)),
+        Wants(late=(LateDocument(((0, 3),), ((0, 2), (2, 3))),)),
+    ],
+)
+def test_what_a_request_wants_crosses_the_wire_and_plain_kinds_are_built_once(
+    wants: Wants,
+) -> None:
+    encoded = [Encoded([2, 5, 3], [], None, [], False)]
+    [raw] = Frames().feed(framed(submit_message(1, 10.0, encoded, wants)))
+    message = to_engine_decoder.decode(raw)
+    (inputs, first), (_, again) = submitted(message), submitted(message)
+    assert [e.ids for e in inputs] == [[2, 5, 3]]
+    assert first == wants == again
+    assert (first is again) == (wants.attention is None and wants.late is None)
 
 
 def test_a_refused_request_gets_its_429(
