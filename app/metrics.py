@@ -115,7 +115,9 @@ class Metrics:
             "tokenization", "Tokenizing one request.", per_model
         )
         self.queue_seconds = self._duration(
-            "queue", "An input's wait before its forward pass.", per_model
+            "queue",
+            "A request's wait in the model's queue (its longest-waiting input's).",
+            per_model,
         )
         self.inference_seconds = self._duration("inference", "One forward pass.", per_model)
         self.request_seconds = self._duration("request", "One HTTP request, end to end.")

@@ -448,6 +448,9 @@ class EmbeddingService:
             raise
         finally:
             watch.close()
+        # Observed by the front ends, which are many, per request: not by the engine, which
+        # must keep its device busy, per input.
+        self.metrics.queue_seconds.observe(outcome.queue_seconds)
         return outcome.items, outcome.queue_seconds, outcome.inference_seconds
 
 

@@ -446,9 +446,7 @@ class Batcher:
             if ticket.abandoned:  # failed, timed out or disconnected meanwhile
                 continue
             wants = ticket.wants
-            queued = started - ticket.enqueued_at
-            self.metrics.queue_seconds.observe(queued)
-            ticket.queue_seconds = max(ticket.queue_seconds, queued)
+            ticket.queue_seconds = max(ticket.queue_seconds, started - ticket.enqueued_at)
             ticket.inference_seconds = max(ticket.inference_seconds, seconds)
             ticket.results[item.row] = ItemResult(
                 outputs[row],

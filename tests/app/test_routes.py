@@ -245,6 +245,10 @@ async def test_operations_routes(tiny_checkpoint: Path) -> None:
         assert name in metrics, name
     assert 'embed_requests_total{route="/embed",status="200"} 1.0' in metrics
     assert re.search(r'^embed_inputs_total\{model="[^"]+tiny"\} 2.0$', metrics, re.M)
+    # The queue's wait per request (two inputs here), as every placement's front end sees it.
+    assert re.search(
+        r'^embed_queue_duration_seconds_count\{model="[^"]+tiny"\} 1.0$', metrics, re.M
+    )
     # The passes' CPU time (one thread's): some, and never more than their duration.
     cpu = re.search(r'^embed_forward_cpu_seconds_total\{model="[^"]+"\} (\S+)$', metrics, re.M)
     wall = re.search(

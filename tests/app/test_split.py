@@ -133,6 +133,7 @@ def test_front_ends_share_the_port_and_one_scrape_shows_every_process(
         assert metric(text, 'embed_requests_total{route="/embed",status="200"}') == sent
         assert metric(text, "embed_batch_size_count") >= 1  # the engine's batches
         assert metric(text, "embed_inputs_total") == sent
+        assert metric(text, "embed_queue_duration_seconds_count") == sent
     assert len(re.findall(r"^embed_model_info\{.*\} 1\.0$", text, re.M)) == 1
 
 
