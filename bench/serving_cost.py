@@ -14,8 +14,12 @@ process and all its descendants, from /proc) over the measured run, over the req
 completed; each keeps its best round (the lowest CPU per request), and server/floor is what
 the server spends beyond the floor. When the server runs its engine in processes of its own
 (named embed-engine), their CPU per input outside the forward passes (whose CPU time /metrics
-gives) is printed too. All is written to bench/results/serving_cost.json.
-Usage: python -m bench.serving_cost [--seconds 8] [--rounds 2] [--port N] [-- SERVER FLAGS]
+gives) is printed too. With --against REVISION, that revision's server (from a temporary git
+worktree, as bench.side_by_side serves it) takes its turn in every round as well, so that
+two builds' costs are compared within one run. All is written to
+bench/results/serving_cost.json.
+Usage: python -m bench.serving_cost [--seconds 8] [--rounds 2] [--port N] [--against REV]
+                                    [-- SERVER FLAGS]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from bench.side_by_side import checkout, turns
 from bench.workload import short_sentences
 from bench.wrk import WRK_CORE, Server, WrkResult, free_port, run_wrk
 from model.architectures import config_from_hf
@@ -112,11 +118,13 @@ class Pinned(Server):
     """bench.wrk.Server's waiting and stopping, for any command on a given port: Server's own
     start runs `python -m app` on a port it picks, with nothing before it (no taskset)."""
 
-    def __init__(self, command: Sequence[str], port: int) -> None:
+    def __init__(self, command: Sequence[str], port: int, source: Path | None = None) -> None:
         self.port = port
         self.engines = 1
         self.url = f"http://127.0.0.1:{port}"
-        self.process = subprocess.Popen(list(command), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.process = subprocess.Popen(
+            list(command), env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=source
+        )
 
 
 def pinning() -> list[str]:
@@ -253,11 +261,12 @@ class Target:
     command: list[str]
     port: int
     server: bool  # the floor has no /metrics
+    source: Path | None = None  # the checkout it runs from; None: this one
 
 
 def run_round(target: Target, bodies: Sequence[str], seconds: float) -> Round:
     """A fresh process: this machine's speed drifts, and one process's speed is a draw."""
-    process = Pinned(target.command, target.port)
+    process = Pinned(target.command, target.port, target.source)
     try:
         process.wait_ready()
         return measure(process, bodies, seconds, target.server)
@@ -265,17 +274,24 @@ def run_round(target: Target, bodies: Sequence[str], seconds: float) -> Round:
         process.stop()
 
 
-def targets(model: Path, port: int, extra: Sequence[str]) -> list[Target]:
-    """The floor and the server, each under taskset, on the same port in turn."""
+def targets(
+    model: Path, port: int, extra: Sequence[str], against: tuple[str, Path] | None = None
+) -> list[Target]:
+    """The floor and the server, each under taskset, on the same port in turn; and, given
+    `against` (a revision and its checkout), that revision's server."""
     pin = pinning()
     floor = [sys.executable, "-m", "bench.floor_app", "--tokenizer", str(model / "tokenizer.json")]
     server = [sys.executable, "-m", "app", "--model-id", str(model), "--devices", "cpu"]
     server += ["--dtype", "float32", "--threads", "1", "--host", "127.0.0.1"]
     server += ["--log-level", "warning"]
-    return [
+    found = [
         Target("floor", [*pin, *floor, "--port", str(port)], port, server=False),
         Target("server", [*pin, *server, "--port", str(port), *extra], port, server=True),
     ]
+    if against is not None:
+        revision, source = against  # `python -m app` there imports that checkout's code
+        found.append(Target(f"server at {revision}", found[1].command, port, True, source))
+    return found
 
 
 def describe(name: str, best: Round, rounds: Sequence[Round]) -> None:
@@ -301,35 +317,46 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--port", type=int, help="the floor's and the server's, in turn")
+    parser.add_argument("--against", metavar="REVISION", help="a git revision's server too")
     parser.add_argument("server", nargs="*", help="after --, flags for the server")
     args = parser.parse_args()
     if shutil.which("wrk") is None:  # before the model is made
         raise SystemExit("wrk is not installed (apt-get install wrk)")
     bodies = [orjson.dumps({"inputs": text}).decode() for text in short_sentences(4096, seed=5)]
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as folder, ExitStack() as stack:
         model = make_tiny_model(Path(folder) / "tiny")
-        both = targets(model, args.port or free_port(), args.server)
-        rounds: dict[str, list[Round]] = {target.name: [] for target in both}
-        for _ in range(args.rounds):  # alternating, so that drift hits both alike
-            for target in both:
+        against = None
+        if args.against:
+            against = (args.against, stack.enter_context(checkout(args.against)))
+        every = targets(model, args.port or free_port(), args.server, against)
+        rounds: dict[str, list[Round]] = {target.name: [] for target in every}
+        for round_index in range(args.rounds):  # alternating, so that drift hits all alike
+            for target in turns(every, round_index):
                 rounds[target.name].append(run_round(target, bodies, args.seconds))
-    report(rounds, both, args)
+    report(rounds, every, args)
 
 
-def report(rounds: dict[str, list[Round]], both: list[Target], args: argparse.Namespace) -> None:
+def report(rounds: dict[str, list[Round]], every: list[Target], args: argparse.Namespace) -> None:
     best = {name: min(runs, key=lambda r: r.us_per_request) for name, runs in rounds.items()}
     for name, runs in rounds.items():
         describe(name, best[name], runs)
-    ratio = best["server"].us_per_request / best["floor"].us_per_request
-    print(f"server/floor CPU per request: {ratio:.2f}x")
-    describe_engine(best["server"].engine)
+    ratios = {
+        target.name: best[target.name].us_per_request / best["floor"].us_per_request
+        for target in every
+        if target.server
+    }
+    for target in every:
+        if target.server:
+            print(f"{target.name}/floor CPU per request: {ratios[target.name]:.2f}x")
+            describe_engine(best[target.name].engine)
     figures: dict[str, Any] = {
         "seconds": args.seconds,
         "connections": CONNECTIONS,
         "server_flags": args.server,
-        "server_over_floor": ratio,
+        "against": args.against,
+        "server_over_floor": ratios["server"],
     }
-    for target in both:
+    for target in every:
         figures[target.name] = {
             "command": target.command,
             "best": best[target.name].figures(),

@@ -22,10 +22,12 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from bench.server import LOADS, Load, run_load
 from bench.wrk import Server
 
+T = TypeVar("T")
 WORKING_TREE = "working tree"
 SINGLE = "1 x 1 short"  # its figure is the p50 latency; every other load's, texts/s
 
@@ -55,7 +57,7 @@ def figure(load: Load, server: Server, seconds: float) -> float:
     return result.p50_ms if load.name == SINGLE else result.rate * load.inputs
 
 
-def turns(names: Sequence[str], round_index: int) -> list[str]:
+def turns(names: Sequence[T], round_index: int) -> list[T]:
     """The builds' order in a round: alternating, so neither always runs first."""
     return list(names) if round_index % 2 == 0 else list(reversed(names))
 
