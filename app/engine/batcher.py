@@ -141,6 +141,10 @@ class Batcher:
         # lone client sends its next request only after its answer, so a wait for company
         # would cost it the whole quiet gap on every request.
         self._last_clients = 0
+        # While the worker waits for a fuller batch, an arrival wakes it only once the batch
+        # is full or its clients are back (`_gathered`): a wake-up per request cost the engine
+        # more than the request's own work. A quiet gap is seen by the worker's timed waits.
+        self._gathering = False
         self._queue: list[WorkItem] = []
         self._queued_tokens = 0
         self._running_tokens = 0
@@ -244,7 +248,8 @@ class Batcher:
                 self._queue.extend(ticket.items)
                 self._queued_tokens += ticket.tokens
             self._publish_busy()
-            self._condition.notify()
+            if not self._gathering or self._gathered():
+                self._condition.notify()
         return refused
 
     def check_room(self, within: float) -> None:
@@ -328,14 +333,26 @@ class Batcher:
         if self._last_clients < 2:
             return
         deadline = time.perf_counter() + self.batch_wait
-        while len(self._queue) < self.max_batch_inputs and not self._stopping:
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0 or _requests_in(self._queue) >= self._last_clients:
-                return
-            waiting = len(self._queue)
-            self._condition.wait(min(remaining, QUIET_GAP))
-            if len(self._queue) == waiting:
-                return
+        self._gathering = True
+        try:
+            while not self._stopping and not self._gathered():
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    return
+                waiting = len(self._queue)
+                self._condition.wait(min(remaining, QUIET_GAP))
+                if len(self._queue) == waiting:
+                    return
+        finally:
+            self._gathering = False
+
+    def _gathered(self) -> bool:
+        """The wait for a fuller batch is over: the batch is full, or as many requests wait
+        as the last batch served. Called with the lock held."""
+        return (
+            len(self._queue) >= self.max_batch_inputs
+            or _requests_in(self._queue) >= self._last_clients
+        )
 
     def _choose(self, window: list[WorkItem]) -> list[WorkItem]:
         oldest = window[0]

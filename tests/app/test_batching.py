@@ -265,6 +265,22 @@ def test_arrivals_publish_the_admission_state_and_the_worker_the_queue_gauges(
     assert gauges == [0] and board[-1] == 15  # all three now run
 
 
+def test_while_the_worker_gathers_a_batch_only_the_arrival_that_completes_it_wakes_it(
+    tiny_embedder: Embedder,
+) -> None:
+    batcher = make_batcher(tiny_embedder, max_batch_inputs=8)
+    woken: list[int] = []
+    batcher._condition.notify = lambda n=1: woken.append(batcher.depth)  # type: ignore[method-assign]
+    batcher._last_clients = 3  # the last batch served three requests: wait for three
+    batcher._gathering = True
+    for _ in range(3):
+        batcher.submit(make_ticket(4))
+    assert woken == [3]
+    batcher._gathering = False
+    batcher.submit(make_ticket(4))
+    assert woken == [3, 4]  # a worker that waits for any input is woken by every arrival
+
+
 async def test_a_lone_input_does_not_wait_out_the_batch_wait(tiny_embedder: Embedder) -> None:
     """Waiting for a fuller batch stops as soon as inputs stop arriving."""
     batcher = make_batcher(tiny_embedder, max_batch_inputs=8, batch_wait=30.0)
