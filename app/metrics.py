@@ -181,10 +181,10 @@ class ModelMetrics:
     def watch_queue(
         self, depth: Callable[[], int], tokens: Callable[[], int]
     ) -> Callable[[], None]:
-        """Wire the queue gauges to the batcher's queue; it calls the function returned after
-        each change. One process reads the queue when /metrics is scraped instead, and the
-        function does nothing (it would run twice per request); engines must publish, since
-        a scrape may reach another worker."""
+        """Wire the queue gauges to the batcher's queue; it calls the function returned as its
+        queue changes (app/engine/batcher.py says when). One process reads the queue when
+        /metrics is scraped instead, and the function does nothing (it would run twice per
+        request); engines must publish, since a scrape may reach another worker."""
         if self.multiprocess_dir is None:
             self.queue_depth.set_function(depth)
             self.queue_tokens.set_function(tokens)

@@ -218,10 +218,11 @@ def sentence_products(repeats: int, rows: int = 16) -> None:
     weights = [layer.weight.detach() for layer in linears]
     size = sum(w.numel() for w in weights)
     flops = 2 * rows * size
-    kernels: dict[str, list[nn.Module]] = {"F.linear": list(linears)}
+    kernels: dict[str, list[nn.Linear | MklLinear]] = {"F.linear": list(linears)}
     if prepacked.mkl_packs_float32():
         kernels["mkl"] = [MklLinear(layer) for layer in linears]
-    x = torch.randn(rows, max(layer.in_features for layer in linears))
+    # One contiguous input per width, as the model's layers get theirs.
+    inputs = {layer.in_features: torch.randn(rows, layer.in_features) for layer in linears}
     print(
         f"one sentence's {len(linears)} float32 products, {rows} rows, "
         f"{size * 4 / 1e6:.1f} MB of weights"
@@ -230,19 +231,19 @@ def sentence_products(repeats: int, rows: int = 16) -> None:
     print(f"  reading the weights once: {read * 1e3:.2f} ms ({size * 4 / read / 1e9:.1f} GB/s)")
     for kernel, layers in kernels.items():
         in_order = best_interleaved(
-            {kernel: functools.partial(in_model_order, layers, x)}, repeats * 4
+            {kernel: functools.partial(in_model_order, layers, inputs)}, repeats * 4
         )[kernel]
-        hot = sum(each_hot(layer, x[:, : layer.in_features]) for layer in layers)
+        hot = sum(each_hot(layer, inputs[layer.in_features]) for layer in layers)
         print(
             f"  {kernel:8}: in the model's order {in_order * 1e3:.2f} ms, each layer hot "
             f"{hot * 1e3:.2f} ms ({flops / hot / 1e9:.0f} GFLOP/s)"
         )
 
 
-def in_model_order(layers: list[nn.Module], x: torch.Tensor) -> None:
+def in_model_order(layers: list[nn.Linear | MklLinear], inputs: dict[int, torch.Tensor]) -> None:
     with torch.inference_mode():
         for layer in layers:
-            layer(x[:, : layer.in_features])
+            layer(inputs[layer.in_features])
 
 
 def each_hot(layer: nn.Module, x: torch.Tensor, calls: int = 50) -> float:

@@ -354,7 +354,7 @@ def report(rounds: dict[str, list[Round]], every: list[Target], args: argparse.N
         "connections": CONNECTIONS,
         "server_flags": args.server,
         "against": args.against,
-        "server_over_floor": ratios["server"],
+        "server_over_floor": ratios,
     }
     for target in every:
         figures[target.name] = {

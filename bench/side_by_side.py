@@ -58,7 +58,8 @@ def figure(load: Load, server: Server, seconds: float) -> float:
 
 
 def turns(names: Sequence[T], round_index: int) -> list[T]:
-    """The builds' order in a round: alternating, so neither always runs first."""
+    """The builds' order in a round: reversed every other round, so that none always runs
+    first or last."""
     return list(names) if round_index % 2 == 0 else list(reversed(names))
 
 

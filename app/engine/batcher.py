@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 WINDOW_FACTOR = 4
 # Seconds without a new input after which the worker stops waiting for a fuller batch.
 QUIET_GAP = 0.002
+# Arrivals refresh the queue gauges at most this often where they are written to the shared
+# metrics files (an engine in its own process): a write per request cost more than admitting
+# it. Taking a batch refreshes them too.
+GAUGE_INTERVAL = 0.05
 # Weight of the past in the seconds-per-token estimate, per batch.
 ESTIMATE_DECAY = 0.9
 
@@ -145,6 +149,7 @@ class Batcher:
         # is full or its clients are back (`_gathered`): a wake-up per request cost the engine
         # more than the request's own work. A quiet gap is seen by the worker's timed waits.
         self._gathering = False
+        self._gauges_due = 0.0  # time.monotonic() from which an arrival refreshes the gauges
         self._queue: list[WorkItem] = []
         self._queued_tokens = 0
         self._running_tokens = 0
@@ -162,12 +167,18 @@ class Batcher:
         )
 
     def _queue_changed(self) -> None:
-        """After the worker changes the queue (a batch taken, inputs dropped), with the lock
-        held. Arrivals publish only the admission state (`_publish_busy`): the queue gauges,
-        where an engine writes them to the shared metrics files, cost more than the rest of
-        admitting a request, so the worker refreshes them as it takes each batch: at once after
-        an arrival to an idle engine, else within a batch's time and the batch wait."""
+        """After a batch is taken or inputs are dropped, with the lock held (arrivals call
+        `_arrived`)."""
         self._publish_queue()
+        self._publish_busy()
+
+    def _arrived(self) -> None:
+        """After inputs joined the queue, with the lock held: the admission state at once, the
+        queue gauges at most every GAUGE_INTERVAL."""
+        now = time.monotonic()
+        if now >= self._gauges_due:
+            self._gauges_due = now + GAUGE_INTERVAL
+            self._publish_queue()
         self._publish_busy()
 
     def _publish_busy(self) -> None:
@@ -231,8 +242,9 @@ class Batcher:
     def submit_all(
         self, tickets: Sequence[tuple[Ticket, float | None]]
     ) -> list[ServiceError | None]:
-        """`submit` for several requests under one lock, the worker woken once: what came
-        from a front end in one read. Each request's refusal, or None where it was queued."""
+        """`submit` for several requests under one lock, the worker woken at most once: what
+        came from a front end in one read. Each request's refusal, or None where it was
+        queued."""
         refused: list[ServiceError | None] = []
         with self._condition:
             for ticket, within in tickets:
@@ -247,7 +259,7 @@ class Batcher:
                 refused.append(None)
                 self._queue.extend(ticket.items)
                 self._queued_tokens += ticket.tokens
-            self._publish_busy()
+            self._arrived()
             if not self._gathering or self._gathered():
                 self._condition.notify()
         return refused
@@ -332,17 +344,17 @@ class Batcher:
         client. Called with the lock held."""
         if self._last_clients < 2:
             return
-        deadline = time.perf_counter() + self.batch_wait
+        started = time.perf_counter()
+        deadline = started + self.batch_wait
         self._gathering = True
         try:
-            while not self._stopping and not self._gathered():
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
+            while self._queue and not self._stopping and not self._gathered():
+                # The gap counts from the last arrival (its ticket's), or from the start.
+                now = time.perf_counter()
+                quiet_at = max(self._queue[-1].ticket.enqueued_at, started) + QUIET_GAP
+                if now >= min(deadline, quiet_at):
                     return
-                waiting = len(self._queue)
-                self._condition.wait(min(remaining, QUIET_GAP))
-                if len(self._queue) == waiting:
-                    return
+                self._condition.wait(min(deadline, quiet_at) - now)
         finally:
             self._gathering = False
 

@@ -248,21 +248,26 @@ def test_submit_is_all_or_nothing_and_an_empty_queue_takes_anything(
     assert batcher.depth == 1
 
 
-def test_arrivals_publish_the_admission_state_and_the_worker_the_queue_gauges(
+def test_arrivals_publish_the_admission_state_each_and_the_queue_gauges_at_intervals(
     tiny_embedder: Embedder,
 ) -> None:
     """An engine in its own process writes its queue gauges to the shared metrics files, a
-    cost each arrival would pay; the worker writes them as it takes a batch."""
+    cost each arrival would pay: arrivals write them at most every GAUGE_INTERVAL, a batch
+    taken always."""
     batcher = make_batcher(tiny_embedder)
     gauges: list[int] = []
     board: list[int] = []
     batcher._publish_queue = lambda: gauges.append(batcher.depth)
     batcher.publish_to(lambda backlog, pace: board.append(backlog))
-    batcher.submit_all([(make_ticket(4), None), (make_ticket(5, 6), None)])
-    assert board[-1] == 15 and gauges == []  # front ends admit on the fresh backlog
+    batcher.submit(make_ticket(4))
+    batcher.submit(make_ticket(5, 6))
+    assert board[-2:] == [4, 15] and gauges == [1]  # admission sees every arrival
     batch = batcher._next_batch()
     assert batch is not None and len(batch) == 3
-    assert gauges == [0] and board[-1] == 15  # all three now run
+    assert gauges == [1, 0] and board[-1] == 15  # all three now run
+    batcher._gauges_due = 0.0  # the interval is over
+    batcher.submit(make_ticket(7))
+    assert gauges == [1, 0, 1]
 
 
 def test_while_the_worker_gathers_a_batch_only_the_arrival_that_completes_it_wakes_it(
@@ -382,6 +387,24 @@ def test_the_batch_wait_ends_once_the_last_batch_s_clients_are_back(
     started = time.perf_counter()
     assert batcher._next_batch() == [first, second]
     assert time.perf_counter() - started < 5  # far below the 30 s quiet gap
+
+
+def test_the_quiet_gap_counts_from_the_last_arrival_or_from_the_wait_s_start(
+    tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.engine import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "QUIET_GAP", 0.3)
+    batcher = make_batcher(tiny_embedder, max_batch_inputs=8, batch_wait=30.0)
+    batcher._last_clients = 3  # waits for three requests; one comes
+    ticket = make_ticket(4)
+    batcher.submit(ticket)
+    for arrived_in, at_least in ((-10.0, 0.3), (0.6, 0.9)):  # long ago; a moment from now
+        ticket.enqueued_at = time.perf_counter() + arrived_in
+        started = time.perf_counter()
+        with batcher._condition:
+            batcher._wait_for_fuller_batch()
+        assert at_least - 0.05 <= time.perf_counter() - started < 10
 
 
 def test_each_pass_runs_on_as_many_torch_threads_as_its_cores(tiny_embedder: Embedder) -> None:
