@@ -8,6 +8,7 @@ alike, and a scrape reports them all.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -34,6 +35,9 @@ DURATION_BUCKETS = (
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# Where an engine writes its queue gauges to the shared metrics files, arrivals write them at
+# most this often: a write per request cost the engine more than admitting the request.
+GAUGE_INTERVAL = 0.05
 
 
 class Metrics:
@@ -180,22 +184,30 @@ class ModelMetrics:
 
     def watch_queue(
         self, depth: Callable[[], int], tokens: Callable[[], int]
-    ) -> Callable[[], None]:
-        """Wire the queue gauges to the batcher's queue; it calls the function returned as its
-        queue changes (app/engine/batcher.py says when). One process reads the queue when
+    ) -> Callable[[bool], None]:
+        """Wire the queue gauges to the batcher's queue; it calls the function returned after
+        each change to it, saying whether inputs arrived. One process reads the queue when
         /metrics is scraped instead, and the function does nothing (it would run twice per
-        request); engines must publish, since a scrape may reach another worker."""
+        request). Engines must write the gauges, since a scrape may reach another worker:
+        after arrivals at most every GAUGE_INTERVAL, after any other change (a batch taken,
+        inputs dropped) at once, so that a queue left empty reads empty."""
         if self.multiprocess_dir is None:
             self.queue_depth.set_function(depth)
             self.queue_tokens.set_function(tokens)
             return _nothing
+        due = 0.0  # time.monotonic() from which arrivals write the gauges again
 
-        def publish() -> None:
+        def publish(arrival: bool) -> None:
+            nonlocal due
+            now = time.monotonic()
+            if arrival and now < due:
+                return
+            due = now + GAUGE_INTERVAL
             self.queue_depth.set(depth())
             self.queue_tokens.set(tokens())
 
         return publish
 
 
-def _nothing() -> None:
+def _nothing(arrival: bool) -> None:
     pass

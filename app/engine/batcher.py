@@ -40,10 +40,6 @@ log = logging.getLogger(__name__)
 WINDOW_FACTOR = 4
 # Seconds without a new input after which the worker stops waiting for a fuller batch.
 QUIET_GAP = 0.002
-# Arrivals refresh the queue gauges at most this often where they are written to the shared
-# metrics files (an engine in its own process): a write per request cost more than admitting
-# it. Taking a batch refreshes them too.
-GAUGE_INTERVAL = 0.05
 # Weight of the past in the seconds-per-token estimate, per batch.
 ESTIMATE_DECAY = 0.9
 
@@ -149,7 +145,6 @@ class Batcher:
         # is full or its clients are back (`_gathered`): a wake-up per request cost the engine
         # more than the request's own work. A quiet gap is seen by the worker's timed waits.
         self._gathering = False
-        self._gauges_due = 0.0  # time.monotonic() from which an arrival refreshes the gauges
         self._queue: list[WorkItem] = []
         self._queued_tokens = 0
         self._running_tokens = 0
@@ -166,19 +161,10 @@ class Batcher:
             lambda: len(self._queue), lambda: self._queued_tokens
         )
 
-    def _queue_changed(self) -> None:
-        """After a batch is taken or inputs are dropped, with the lock held (arrivals call
-        `_arrived`)."""
-        self._publish_queue()
-        self._publish_busy()
-
-    def _arrived(self) -> None:
-        """After inputs joined the queue, with the lock held: the admission state at once, the
-        queue gauges at most every GAUGE_INTERVAL."""
-        now = time.monotonic()
-        if now >= self._gauges_due:
-            self._gauges_due = now + GAUGE_INTERVAL
-            self._publish_queue()
+    def _queue_changed(self, arrival: bool = False) -> None:
+        """After every change to the queue, with the lock held; `arrival`: inputs joined it
+        (the metrics may then skip the gauges, app/metrics.py)."""
+        self._publish_queue(arrival)
         self._publish_busy()
 
     def _publish_busy(self) -> None:
@@ -259,7 +245,7 @@ class Batcher:
                 refused.append(None)
                 self._queue.extend(ticket.items)
                 self._queued_tokens += ticket.tokens
-            self._arrived()
+            self._queue_changed(arrival=True)
             if not self._gathering or self._gathered():
                 self._condition.notify()
         return refused

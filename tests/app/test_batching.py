@@ -17,7 +17,7 @@ from app.engine.compute import ComputeThread
 from app.engine.local import deliver_on
 from app.engine.protocol import Outcome, Wants
 from app.errors import ClientDisconnectedError, OverloadedError
-from app.metrics import Metrics
+from app.metrics import GAUGE_INTERVAL, Metrics
 from app.params import EncodeOptions
 from model import AttentionSpec, Embedder, Encoded
 from tests.app.conftest import (
@@ -248,26 +248,40 @@ def test_submit_is_all_or_nothing_and_an_empty_queue_takes_anything(
     assert batcher.depth == 1
 
 
-def test_arrivals_publish_the_admission_state_each_and_the_queue_gauges_at_intervals(
+def test_every_queue_change_reaches_the_admission_state_and_the_gauges_knowing_arrivals(
     tiny_embedder: Embedder,
 ) -> None:
-    """An engine in its own process writes its queue gauges to the shared metrics files, a
-    cost each arrival would pay: arrivals write them at most every GAUGE_INTERVAL, a batch
-    taken always."""
+    """Front ends admit on every arrival; the gauges are told which changes were arrivals,
+    which an engine's shared metrics files take at intervals (app/metrics.py)."""
     batcher = make_batcher(tiny_embedder)
-    gauges: list[int] = []
+    gauges: list[tuple[int, bool]] = []
     board: list[int] = []
-    batcher._publish_queue = lambda: gauges.append(batcher.depth)
+    batcher._publish_queue = lambda arrival: gauges.append((batcher.depth, arrival))
     batcher.publish_to(lambda backlog, pace: board.append(backlog))
     batcher.submit(make_ticket(4))
     batcher.submit(make_ticket(5, 6))
-    assert board[-2:] == [4, 15] and gauges == [1]  # admission sees every arrival
+    assert board[-2:] == [4, 15] and gauges == [(1, True), (3, True)]
     batch = batcher._next_batch()
     assert batch is not None and len(batch) == 3
-    assert gauges == [1, 0] and board[-1] == 15  # all three now run
-    batcher._gauges_due = 0.0  # the interval is over
-    batcher.submit(make_ticket(7))
-    assert gauges == [1, 0, 1]
+    assert gauges[-1] == (0, False) and board[-1] == 15  # all three now run
+
+
+def test_an_engine_writes_its_queue_gauges_after_arrivals_at_intervals_else_at_once() -> None:
+    metrics = Metrics()
+    model = metrics.of("tiny")
+    model.multiprocess_dir = "/metrics"  # as in an engine of its own: the gauges are written
+    depth = [0]
+    publish = model.watch_queue(lambda: depth[0], lambda: 10 * depth[0])
+
+    def gauge() -> float | None:
+        return metrics.registry.get_sample_value("embed_queue_depth", {"model": "tiny"})
+
+    for depth[0], arrival, written in ((1, True, 1), (2, True, 1), (0, False, 0), (3, True, 0)):
+        publish(arrival)
+        assert gauge() == written
+    time.sleep(GAUGE_INTERVAL)
+    publish(True)
+    assert gauge() == 3
 
 
 def test_while_the_worker_gathers_a_batch_only_the_arrival_that_completes_it_wakes_it(

@@ -134,6 +134,7 @@ def test_an_engine_loads_on_every_core_a_pass_may_take_and_runs_on_its_share(
     """MKL lays a weight out for the threads that pack it (model/prepacked.py): the model is
     loaded on as many threads as a lone pass takes, and the engine then runs (from its
     warm-up on) on its share."""
+    assert pool.size == 2  # more cores than the engine's own thread
     settings = make_settings(tiny_checkpoint, threads=1)
     engine = ModelEngine(
         settings, settings.models()[0], Metrics().of("tiny"), "cpu", CoreLease(pool, 0), None
@@ -153,5 +154,4 @@ def test_an_engine_loads_on_every_core_a_pass_may_take_and_runs_on_its_share(
     monkeypatch.setattr(ModelEngine, "_warm_up", staticmethod(warming))
     engine.load(lambda deliveries: None)
     engine.stop()
-    assert threads_at == {"load": pool.size, "warm-up": 1}
-    assert pool.size == 2
+    assert threads_at == {"load": 2, "warm-up": 1}
