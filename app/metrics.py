@@ -123,7 +123,12 @@ class Metrics:
             "A request's wait in the model's queue (its longest-waiting input's).",
             per_model,
         )
-        self.inference_seconds = self._duration("inference", "One forward pass.", per_model)
+        self.inference_seconds = self._duration(
+            "inference",
+            "One forward pass, until its output is back, from its launch or, where it was "
+            "queued on a GPU behind the pass before it, that pass's end.",
+            per_model,
+        )
         self.request_seconds = self._duration("request", "One HTTP request, end to end.")
         self.input_tokens = Histogram(
             "embed_input_tokens", "Tokens per input.", per_model, buckets=TOKEN_BUCKETS, registry=r

@@ -25,7 +25,7 @@ from model.resolve import DEFAULT_MODEL_ID
 if TYPE_CHECKING:
     from model.architectures import EncoderConfig
     from model.codec import ModelCard, TextCodec
-    from model.embedder import BatchOutput, Embedder
+    from model.embedder import BatchOutput, Embedder, PendingOutput
     from model.info import AttentionSpec, ModelInfo, Task
     from model.pipeline import PoolingMode
     from model.tokenizer import Direction, Encoded
@@ -38,6 +38,7 @@ _LAZY = {
     "AttentionSpec": "model.info",
     "BatchOutput": "model.embedder",
     "Embedder": "model.embedder",
+    "PendingOutput": "model.embedder",
     "ModelCard": "model.codec",
     "ModelInfo": "model.info",
     "Task": "model.info",
@@ -81,6 +82,7 @@ __all__ = [
     "ModelError",
     "ModelInfo",
     "ModelNotFoundError",
+    "PendingOutput",
     "PoolingMode",
     "PromptError",
     "Task",

@@ -8,8 +8,8 @@ attention nothing to attend to), extra columns are masked out, and only the real
 read back. Graphs are used where launching dominates, up to GRAPH_MAX_TOKENS padded tokens;
 larger batches, and those that want per-token vectors or attention maps, run eagerly.
 
-Every graph shares one memory pool: they run one at a time, on one thread, and each one's
-output is copied off the GPU before the next replay.
+Every graph shares one memory pool: they run one at a time, on one stream, and each one's
+output is copied off the GPU (the copy queued on that stream) before the next replay.
 """
 
 from __future__ import annotations
@@ -109,11 +109,13 @@ class GraphedForward:
 
     def __call__(self, ids: IntGrid, mask: IntGrid, prompts: IntGrid) -> Tensor:
         """Vectors for inputs padded to a bucket's shape (`padded_batch`), on the GPU: the
-        graph's own output, overwritten by the next call."""
+        graph's own output, overwritten by the next call's replay (queued on the current
+        stream: the call returns before the GPU has run it)."""
         graph = self._graph((ids.shape[0], ids.shape[1]))
-        graph.ids.copy_(torch.from_numpy(ids))
-        graph.mask.copy_(torch.from_numpy(mask))
-        graph.prompts.copy_(torch.from_numpy(prompts))
+        # From pinned memory, queued on the stream: a copy from pageable memory would wait
+        # for the GPU to finish the pass before it (the host thread blocked all the while).
+        for source, target in ((ids, graph.ids), (mask, graph.mask), (prompts, graph.prompts)):
+            target.copy_(torch.from_numpy(source).pin_memory(), non_blocking=True)
         graph.graph.replay()
         return graph.vectors
 

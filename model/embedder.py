@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -26,7 +27,14 @@ from model.shared_weights import WeightStore
 from model.tokenizer import Encoded, TextTokenizer, TokenizerInput
 from model.vectors import FloatArray, finish
 
-__all__ = ["AttentionSpec", "BatchOutput", "Embedder", "ModelInfo", "ModelInput"]
+__all__ = [
+    "AttentionSpec",
+    "BatchOutput",
+    "Embedder",
+    "ModelInfo",
+    "ModelInput",
+    "PendingOutput",
+]
 
 ModelInput = Encoded | Sequence[int]
 
@@ -41,6 +49,32 @@ class BatchOutput:
     pooled: Tensor
     token_embeddings: list[Tensor] | None  # per input (T_i, hidden_size)
     attentions: list[dict[int, Tensor]] | None  # per input, layer -> (h, T_i, T_i) or (T_i, T_i)
+
+    # A pass's output handed back by `Embedder.launch` when it is complete (see `OnItsWay`).
+    in_flight: ClassVar[bool] = False
+
+    def result(self) -> BatchOutput:
+        return self
+
+
+class OnItsWay:
+    """A graphed pass's pooled rows while the GPU still runs it: their copy into pinned CPU
+    memory is queued behind the pass, and `result` waits for it. The caller's thread is free
+    meanwhile (to answer the batch before, to choose the next)."""
+
+    in_flight = True
+
+    def __init__(self, pooled: Tensor, arrived: torch.cuda.Event) -> None:
+        self._pooled = pooled
+        self._arrived = arrived
+
+    def result(self) -> BatchOutput:
+        self._arrived.synchronize()
+        return BatchOutput(self._pooled, None, None)
+
+
+# What `Embedder.launch` returns: `result()` gives the batch's output, waiting if need be.
+PendingOutput = BatchOutput | OnItsWay
 
 
 # Most values of one padded grid of chunk token vectors that late chunking pools at once
@@ -159,6 +193,18 @@ class Embedder:
         attention: AttentionSpec | None = None,
     ) -> BatchOutput:
         """Run one batch (right-padded here); every input gets its row of `pooled`."""
+        return self.launch(batch, token_embeddings=token_embeddings, attention=attention).result()
+
+    def launch(
+        self,
+        batch: Sequence[ModelInput],
+        *,
+        token_embeddings: bool = False,
+        attention: AttentionSpec | None = None,
+    ) -> PendingOutput:
+        """`forward`, returning as soon as the work is queued where it can be: a graphed pass
+        on a GPU comes back still running (`OnItsWay`), every other pass complete. Passes
+        launched one after another run in that order."""
         if attention is not None:
             for layer in attention.layers:
                 if not 0 <= layer < self.info.num_layers:
@@ -177,7 +223,12 @@ class Embedder:
             if shape is not None:
                 with torch.inference_mode():
                     vectors = self.graphs(*padded_batch(ids, prompts, shape, pad_id))
-                    return BatchOutput(vectors[: len(ids)].cpu(), None, None)
+                    # Into pinned memory, queued behind the replay: the graph's output is
+                    # copied before the next replay overwrites it.
+                    pooled = vectors[: len(ids)].to("cpu", non_blocking=True)
+                    arrived = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    arrived.record()
+                    return OnItsWay(pooled, arrived)
         grid, mask, prompt_lengths = padded_batch(ids, prompts, (len(ids), width), pad_id)
         input_ids = _on(grid, self.device)
         attention_mask = _on(mask, self.device)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -31,10 +32,13 @@ from app.errors import BackendError, OverloadedError, ServiceError
 from app.memory import Trimmer
 from app.metrics import ModelMetrics
 from app.tasks import TASKS
-from model import AttentionSpec, BatchOutput, Embedder, Encoded
+from model import AttentionSpec, BatchOutput, Embedder, Encoded, PendingOutput
 from model.vectors import finish
 
 log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 # How far past the oldest input the worker looks for inputs of a similar length.
 WINDOW_FACTOR = 4
@@ -53,6 +57,17 @@ class WorkItem:
     @property
     def length(self) -> int:
         return len(self.encoded.ids)
+
+
+@dataclass(slots=True)
+class Launched:
+    """A batch whose pass has started: what `_complete` needs once its output is back."""
+
+    batch: list[WorkItem]
+    tokens: int  # released when it is done (0: a retry's, released already)
+    output: PendingOutput
+    started: float  # time.perf_counter()
+    cpu_seconds: float  # the launch's, on the worker thread
 
 
 class Ticket:
@@ -147,7 +162,8 @@ class Batcher:
         self._gathering = False
         self._queue: list[WorkItem] = []
         self._queued_tokens = 0
-        self._running_tokens = 0
+        self._running_tokens = 0  # of the batches taken and not yet done
+        self._last_done = 0.0  # when the last pass's output came back
         self._condition = threading.Condition()
         self._stopping = False
         self._worker: Future[None] | None = None
@@ -270,14 +286,26 @@ class Batcher:
 
     # Worker thread --------------------------------------------------------------------
     def _run(self) -> None:
+        """Take a batch, launch it, answer the batch before it, and so on. On a GPU a graphed
+        pass comes back still running: answering the last batch and choosing the next then
+        overlap the GPU's work, instead of leaving it idle meanwhile. Complete passes (a
+        CPU's, eager ones) are answered at once."""
+        in_flight: Launched | None = None
         try:
             while True:
                 # Hand what earlier batches freed back to the system (at most once a second).
                 self._trimmer.maybe_trim()
-                batch = self._next_batch()
+                batch = self._next_batch(wait=in_flight is None)
+                launched = self._launch(batch, release=True) if batch else None
+                if in_flight is not None:
+                    self._complete(in_flight)
+                    in_flight = None
+                if launched is not None and launched.output.in_flight:
+                    in_flight = launched
+                elif launched is not None:
+                    self._complete(launched)
                 if batch is None:
                     return
-                self._execute(batch)
         except BaseException as exc:
             # Not a forward-pass failure (those are handled per batch): the worker itself
             # broke. Say so loudly, fail what waits, and let liveness report it.
@@ -287,16 +315,23 @@ class Batcher:
                 orphans, self._queue = self._queue, []
                 self._queued_tokens = 0
                 self._queue_changed()
+            if in_flight is not None:
+                orphans += in_flight.batch
             self._fail({item.ticket for item in orphans}, "the batch worker has stopped")
             raise
 
-    def _next_batch(self) -> list[WorkItem] | None:
+    def _next_batch(self, wait: bool = True) -> list[WorkItem] | None:
+        """The next batch; None once stopping, and an empty one when the queue is empty and
+        `wait` is off (a batch is still running: it comes first)."""
         with self._condition:
             while not self._stopping:
                 if not self._queue:
+                    if not wait:
+                        return []
                     self._condition.wait()
                     continue
-                self._wait_for_fuller_batch()
+                if wait:  # with a pass still running, what has come goes next
+                    self._wait_for_fuller_batch()
                 # Dropped only now: an input can be abandoned during the wait too.
                 self._drop_abandoned()
                 if self._queue:
@@ -309,7 +344,7 @@ class Batcher:
             self._queue = [item for item in self._queue if id(item) not in chosen]
             tokens = sum(item.length for item in batch)
             self._queued_tokens -= tokens
-            self._running_tokens = tokens
+            self._running_tokens += tokens
             self._queue_changed()
             return batch
 
@@ -374,40 +409,77 @@ class Batcher:
         return batch
 
     def _execute(self, batch: list[WorkItem]) -> None:
+        """Run a batch and answer it (a retry's: its tokens were released already)."""
+        if (launched := self._launch(batch, release=False)) is not None:
+            self._complete(launched)
+
+    def _launch(self, batch: list[WorkItem], release: bool) -> Launched | None:
+        """Start a batch's pass; None if it failed (then retried or failed here). `release`:
+        its tokens count as running until it is done."""
         lengths = [item.length for item in batch]
         padded = max(lengths) * len(batch)
         self.metrics.batch_size.observe(len(batch))
         self.metrics.batch_tokens.observe(padded)
         self.metrics.padding_ratio.observe(1 - sum(lengths) / padded if padded else 0.0)
+        tokens = sum(lengths) if release else 0
         started, cpu_started = time.perf_counter(), time.thread_time()
-        # After a failure, how the batch runs again: outside the `except` blocks, whose
-        # traceback holds the failed pass's tensors (the memory an OOM retry needs).
-        retry: Callable[[list[WorkItem]], None] | None = None
+        if (output := self._attempt(batch, tokens, self._forward, batch)) is None:
+            return None
+        return Launched(batch, tokens, output, started, time.thread_time() - cpu_started)
+
+    def _complete(self, launched: Launched) -> None:
+        """Wait for a launched pass's output (at once for a complete one) and answer it."""
+        cpu_started = time.thread_time()
+        output = self._attempt(launched.batch, launched.tokens, launched.output.result)
+        if output is None:
+            return
+        self._release(launched.tokens)
+        now = time.perf_counter()
+        # A pass launched behind another starts on the device when that one ends.
+        seconds = now - max(launched.started, self._last_done)
+        self._last_done = now
+        self.record_pace(seconds, sum(item.length for item in launched.batch))
+        self.metrics.inference_seconds.observe(seconds)
+        cpu = launched.cpu_seconds + time.thread_time() - cpu_started
+        self.metrics.forward_cpu_seconds.inc(cpu)
+        self._deliver_finished(launched.batch, output, now - seconds, seconds)
+
+    def _attempt(
+        self,
+        batch: list[WorkItem],
+        tokens: int,
+        step: Callable[P, T],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T | None:
+        """A step of a batch's pass; if it fails, its tokens released and the batch retried
+        (the OOM split, or each request alone) or failed, and None."""
+        # The retry runs outside the `except` blocks, whose traceback holds the failed pass's
+        # tensors (the memory an OOM retry needs).
+        retry: Callable[[list[WorkItem]], None]
         try:
-            output = self._forward(batch)
+            return step(*args, **kwargs)
         except (torch.OutOfMemoryError, MemoryError):
             retry = self._split_after_oom
         except Exception:
             log.exception("forward pass failed for a batch of %d inputs", len(batch))
             retry = self._rerun_each_request
-        finally:
+        self._release(tokens)
+        retry(batch)
+        return None
+
+    def _release(self, tokens: int) -> None:
+        """A batch taken from the queue is done: its tokens no longer run."""
+        if tokens:
             with self._condition:
-                self._running_tokens = 0
+                self._running_tokens -= tokens
                 self._publish_busy()
-        if retry is not None:
-            retry(batch)
-            return
-        seconds = time.perf_counter() - started
-        self.record_pace(seconds, sum(lengths))
-        self.metrics.inference_seconds.observe(seconds)
-        self.metrics.forward_cpu_seconds.inc(time.thread_time() - cpu_started)
-        self._deliver_finished(batch, output, started, seconds)
 
     def record_pace(self, seconds: float, tokens: int) -> None:
         self._seconds = ESTIMATE_DECAY * self._seconds + seconds
         self._tokens = ESTIMATE_DECAY * self._tokens + max(tokens, 1)
 
-    def _forward(self, batch: list[WorkItem]) -> BatchOutput:
+    def _forward(self, batch: list[WorkItem]) -> PendingOutput:
         if self.cores is None:
             return self._run_model(batch)
         with self.cores.cores() as threads:
@@ -417,8 +489,8 @@ class Batcher:
             self.metrics.forward_pass(threads)
             return self._run_model(batch)
 
-    def _run_model(self, batch: list[WorkItem]) -> BatchOutput:
-        return self.embedder.forward(
+    def _run_model(self, batch: list[WorkItem]) -> PendingOutput:
+        return self.embedder.launch(
             [item.encoded for item in batch],
             token_embeddings=any(item.ticket.wants.needs_tokens for item in batch),
             attention=batch[0].ticket.wants.attention,

@@ -7,6 +7,7 @@ of its own (app/engine/process.py). Results leave through `deliver`, on the comp
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import replace
 
@@ -27,6 +28,19 @@ from model.shared_weights import WeightStore
 from model.vectors import FloatArray
 
 log = logging.getLogger(__name__)
+
+# How long a thread may hold the GIL while another waits for it, on a GPU (Python's default
+# is 5 ms). See `share_the_gil`.
+GPU_SWITCH_INTERVAL = 0.0005
+
+
+def share_the_gil(device: str) -> None:
+    """On a GPU the compute thread seldom waits (the next pass is launched while the last one
+    runs) and seldom lets go of the GIL for long: the thread that reads the front ends'
+    requests, or the event loop, would then get it only once per switch interval, and the
+    queue would fill by the default's 5 ms steps. On a CPU every pass lets it go."""
+    if device.startswith("cuda"):
+        sys.setswitchinterval(GPU_SWITCH_INTERVAL)
 
 
 def warm_up_batch(embedder: Embedder) -> list[Encoded]:
@@ -99,6 +113,7 @@ class ModelEngine:
         if info.task is Task.EMBED:
             calibration = compute.submit(self._calibrate, embedder).result()
         self.metrics.model_info.labels(self.served.name, info.dtype, info.device).set(1)
+        share_the_gil(info.device)
         self.batcher = Batcher(
             embedder,
             self.metrics,

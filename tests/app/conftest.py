@@ -22,7 +22,7 @@ from app.main import create_app
 from app.service import EmbeddingService
 from app.settings import Settings
 from app.supervisor import Shared, run_engine
-from model import BatchOutput, Encoded
+from model import Encoded, PendingOutput
 
 
 @pytest.fixture
@@ -137,12 +137,13 @@ def local_engine(target: FastAPI | EmbeddingService) -> LocalEngine:
 
 
 class GatedForward:
-    """Wraps the model's forward pass: counts calls, can hold them, can fail some."""
+    """Wraps the model's forward pass (`Embedder.launch`, what the batcher calls): counts
+    calls, can hold them, can fail some."""
 
     def __init__(self, service: EmbeddingService) -> None:
         embedder = local_engine(service).model.embedder
         assert embedder is not None
-        self.original = embedder.forward
+        self.original = embedder.launch
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
@@ -151,9 +152,9 @@ class GatedForward:
         self.error: Callable[[], BaseException] = lambda: RuntimeError(
             "injected failure in the forward pass"
         )
-        embedder.forward = self  # type: ignore[method-assign,assignment]
+        embedder.launch = self  # type: ignore[method-assign,assignment]
 
-    def __call__(self, batch: Sequence[Encoded], **kwargs: Any) -> BatchOutput:
+    def __call__(self, batch: Sequence[Encoded], **kwargs: Any) -> PendingOutput:
         ids = [list(item.ids) for item in batch]
         self.batches.append(ids)
         self.entered.set()

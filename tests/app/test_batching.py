@@ -431,13 +431,13 @@ def test_each_pass_runs_on_as_many_torch_threads_as_its_cores(tiny_embedder: Emb
         batcher = make_batcher(tiny_embedder)
         batcher.cores = mine
         seen: list[int] = []
-        real = tiny_embedder.forward
+        real = tiny_embedder.launch
 
-        def forward(*args: object, **kwargs: object) -> object:
+        def launch(*args: object, **kwargs: object) -> object:
             seen.append(torch.get_num_threads())
             return real(*args, **kwargs)  # type: ignore[arg-type]
 
-        tiny_embedder.forward = forward  # type: ignore[method-assign,assignment]
+        tiny_embedder.launch = launch  # type: ignore[method-assign,assignment]
         batcher._forward(make_items([5]))
         other.set_busy(True)
         batcher._forward(make_items([5]))

@@ -47,19 +47,19 @@ async def test_the_service_loads_and_runs_the_model_on_one_thread(
     """OpenMP keeps a worker pool per thread that starts parallel work; more than one such
     thread made every forward pass twice as slow (see app/compute.py)."""
     threads: dict[str, set[int]] = {"load": set(), "forward": set()}
-    original_load, original_forward = Embedder.load, Embedder.forward
+    original_load, original_launch = Embedder.load, Embedder.launch
 
     def load(*args: Any, **kwargs: Any) -> Embedder:
         threads["load"].add(threading.get_ident())
         return original_load(*args, **kwargs)
 
-    def forward(self: Embedder, *args: Any, **kwargs: Any) -> Any:
+    def launch(self: Embedder, *args: Any, **kwargs: Any) -> Any:
         threads["forward"].add(threading.get_ident())
         assert torch.get_num_threads() == 2
-        return original_forward(self, *args, **kwargs)
+        return original_launch(self, *args, **kwargs)
 
     monkeypatch.setattr(Embedder, "load", load)
-    monkeypatch.setattr(Embedder, "forward", forward)
+    monkeypatch.setattr(Embedder, "launch", launch)
     async with running_app(make_settings(tiny_checkpoint, threads=2)) as (_, client):
         response = await client.post("/embed", json={"inputs": ["hello", "world"]})
     assert response.status_code == 200

@@ -7,6 +7,7 @@ import torch
 
 from model import Embedder
 from model.cuda_graphs import all_buckets
+from model.embedder import OnItsWay
 from tests.model.test_parity_sentence_transformers import varied_sentences
 
 pytestmark = [
@@ -46,3 +47,19 @@ def test_cuda_graphs_match_eager_forward_passes() -> None:
     first = graphed.forward(by_length[:3]).pooled
     graphed.forward(by_length[3:6])
     assert torch.equal(graphed.forward(by_length[:3]).pooled, first)
+
+
+def test_graphed_passes_launched_back_to_back_each_keep_their_own_vectors() -> None:
+    """Two graphed passes queued on the GPU before either's output is read (as the batch
+    worker overlaps them), one bucket for both and then two buckets: each output equals its
+    batch's eager pass (max abs difference <= 1e-4, float32)."""
+    graphed = Embedder.load(device="cuda", dtype="float32")
+    eager = Embedder.load(device="cuda", dtype="float32", cuda_graphs=False)
+    graphed.capture_graphs()
+    by_length = sorted(graphed.tokenize(varied_sentences()), key=lambda e: len(e.ids))
+    for first, second in ((by_length[:3], by_length[3:6]), (by_length[:3], by_length[-8:])):
+        launched = [graphed.launch(first), graphed.launch(second)]
+        assert all(isinstance(output, OnItsWay) for output in launched)
+        for batch, output in zip((first, second), launched, strict=True):
+            expected = eager.forward(batch).pooled
+            assert (output.result().pooled - expected).abs().max() <= 1e-4
