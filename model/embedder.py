@@ -217,18 +217,16 @@ class Embedder:
         # A model with one token type takes none (transformers' tokenizers for RoBERTa and
         # XLM-R do not return them), whatever the pair template numbers.
         type_ids = _token_types(batch, width) if self.network.config.type_vocab_size > 1 else None
-        plain = type_ids is None and attention is None and not token_embeddings
-        if self.graphs is not None and plain:
-            shape = self.graphs.bucket(len(ids), width)
-            if shape is not None:
-                with torch.inference_mode():
-                    vectors = self.graphs(*padded_batch(ids, prompts, shape, pad_id))
-                    # Into pinned memory, queued behind the replay: the graph's output is
-                    # copied before the next replay overwrites it.
-                    pooled = vectors[: len(ids)].to("cpu", non_blocking=True)
-                    arrived = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    arrived.record()
-                    return OnItsWay(pooled, arrived)
+        shape = self.graph_shape(batch, token_embeddings=token_embeddings, attention=attention)
+        if self.graphs is not None and shape is not None:
+            with torch.inference_mode():
+                vectors = self.graphs(*padded_batch(ids, prompts, shape, pad_id))
+                # Into pinned memory, queued behind the replay: the graph's output is copied
+                # before the next replay overwrites it.
+                pooled = vectors[: len(ids)].to("cpu", non_blocking=True)
+                arrived = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                arrived.record()
+                return OnItsWay(pooled, arrived)
         grid, mask, prompt_lengths = padded_batch(ids, prompts, (len(ids), width), pad_id)
         input_ids = _on(grid, self.device)
         attention_mask = _on(mask, self.device)
@@ -249,6 +247,23 @@ class Embedder:
             if attention is not None:
                 attentions = _per_input_maps(out.maps, lengths, attention.mean)
         return BatchOutput(pooled, tokens, attentions)
+
+    def graph_shape(
+        self,
+        batch: Sequence[ModelInput],
+        *,
+        token_embeddings: bool = False,
+        attention: AttentionSpec | None = None,
+    ) -> tuple[int, int] | None:
+        """The captured shape `launch` replays a batch in (it then comes back still running);
+        None where the pass runs eagerly and comes back complete."""
+        if self.graphs is None or token_embeddings or attention is not None:
+            return None
+        inputs = [item for item in batch if isinstance(item, Encoded)]
+        if self.network.config.type_vocab_size > 1 and any(item.type_ids for item in inputs):
+            return None
+        width = max((len(i.ids if isinstance(i, Encoded) else i) for i in batch), default=0)
+        return self.graphs.bucket(len(batch), width)
 
     def pooled_forward(
         self, input_ids: Tensor, attention_mask: Tensor, prompt_lengths: Tensor

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, TypedDict, TypeVar
 
 import numpy as np
 import torch
@@ -57,6 +57,14 @@ class WorkItem:
     @property
     def length(self) -> int:
         return len(self.encoded.ids)
+
+
+class PassArguments(TypedDict):
+    """What `Embedder.launch` (and `graph_shape`) take for a batch."""
+
+    batch: list[Encoded]
+    token_embeddings: bool
+    attention: AttentionSpec | None
 
 
 @dataclass(slots=True)
@@ -289,14 +297,20 @@ class Batcher:
         """Take a batch, launch it, answer the batch before it, and so on. On a GPU a graphed
         pass comes back still running: answering the last batch and choosing the next then
         overlap the GPU's work, instead of leaving it idle meanwhile. Complete passes (a
-        CPU's, eager ones) are answered at once."""
+        CPU's, eager ones) are answered at once, and the pass before one is answered first:
+        it would wait for that pass anyway."""
         in_flight: Launched | None = None
+        taken: list[WorkItem] = []  # the batch taken and not yet launched or answered
         try:
             while True:
                 # Hand what earlier batches freed back to the system (at most once a second).
                 self._trimmer.maybe_trim()
                 batch = self._next_batch(wait=in_flight is None)
-                launched = self._launch(batch, release=True) if batch else None
+                taken = batch or []
+                if in_flight is not None and taken and not self._overlaps(taken):
+                    self._complete(in_flight)
+                    in_flight = None
+                launched = self._launch(taken, release=True) if taken else None
                 if in_flight is not None:
                     self._complete(in_flight)
                     in_flight = None
@@ -304,6 +318,7 @@ class Batcher:
                     in_flight = launched
                 elif launched is not None:
                     self._complete(launched)
+                taken = []
                 if batch is None:
                     return
         except BaseException as exc:
@@ -314,11 +329,15 @@ class Batcher:
             with self._condition:
                 orphans, self._queue = self._queue, []
                 self._queued_tokens = 0
+                self._running_tokens = 0
                 self._queue_changed()
-            if in_flight is not None:
-                orphans += in_flight.batch
+            orphans += taken + (in_flight.batch if in_flight is not None else [])
             self._fail({item.ticket for item in orphans}, "the batch worker has stopped")
             raise
+
+    def _overlaps(self, batch: list[WorkItem]) -> bool:
+        """Whether the batch's pass comes back still running (model/embedder.py)."""
+        return self.embedder.graph_shape(**self._pass_of(batch)) is not None
 
     def _next_batch(self, wait: bool = True) -> list[WorkItem] | None:
         """The next batch; None once stopping, and an empty one when the queue is empty and
@@ -490,11 +509,15 @@ class Batcher:
             return self._run_model(batch)
 
     def _run_model(self, batch: list[WorkItem]) -> PendingOutput:
-        return self.embedder.launch(
-            [item.encoded for item in batch],
-            token_embeddings=any(item.ticket.wants.needs_tokens for item in batch),
-            attention=batch[0].ticket.wants.attention,
-        )
+        return self.embedder.launch(**self._pass_of(batch))
+
+    @staticmethod
+    def _pass_of(batch: list[WorkItem]) -> PassArguments:
+        return {
+            "batch": [item.encoded for item in batch],
+            "token_embeddings": any(item.ticket.wants.needs_tokens for item in batch),
+            "attention": batch[0].ticket.wants.attention,
+        }
 
     def _rerun_each_request(self, batch: list[WorkItem]) -> None:
         """A failed pass that mixed requests runs each request's inputs again on their own,

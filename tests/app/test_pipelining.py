@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.engine.batcher import Batcher, Ticket
+from app.engine.batcher import Batcher, Delivery, Ticket
 from app.engine.compute import ComputeThread
 from app.engine.local import deliver_on
 from app.engine.model_engine import GPU_SWITCH_INTERVAL, share_the_gil
@@ -41,7 +41,8 @@ class Pending:
 
 class FakeDevice:
     """Wraps `Embedder.launch`: names each pass by its texts, holds the first until released,
-    and can make some passes fail when their output is awaited."""
+    can make some passes fail when their output is awaited, and some come back complete
+    (`eager`, as a GPU's eager passes do: `graph_shape` says so beforehand)."""
 
     def __init__(self, embedder: Embedder, in_flight: bool) -> None:
         self.real = embedder.launch
@@ -51,28 +52,45 @@ class FakeDevice:
         self.release = threading.Event()
         self.entered = threading.Event()
         self.failing: set[str] = set()
+        self.eager: set[str] = set()
         embedder.launch = self  # type: ignore[method-assign,assignment]
+        embedder.graph_shape = self.graph_shape  # type: ignore[method-assign,assignment]
+
+    def name(self, batch: Sequence[Encoded]) -> str:
+        return "+".join(sorted(self.decode([item.ids for item in batch], skip_special_tokens=True)))
+
+    def graph_shape(self, batch: Sequence[Encoded], **kwargs: Any) -> tuple[int, int] | None:
+        return (len(batch), 1) if self.in_flight and self.name(batch) not in self.eager else None
 
     def __call__(self, batch: Sequence[Encoded], **kwargs: Any) -> Pending:
-        texts = self.decode([item.ids for item in batch], skip_special_tokens=True)
-        name = "+".join(sorted(texts))
+        name = self.name(batch)
         self.events.append(f"launch {name}")
         self.entered.set()
         self.release.wait(timeout=30)
-        pending = Pending(self.real(batch, **kwargs).result(), name, self.events, self.in_flight)
+        in_flight = self.graph_shape(batch) is not None
+        pending = Pending(self.real(batch, **kwargs).result(), name, self.events, in_flight)
         pending.fails = name in self.failing
         self.failing.discard(name)  # fails once: its rerun succeeds
         return pending
 
 
 async def run_requests(
-    embedder: Embedder, device: FakeDevice, first: str, then: Sequence[str]
+    embedder: Embedder, device: FakeDevice, first: str, then: Sequence[str], broken: int = 0
 ) -> tuple[Batcher, list[Outcome | BaseException]]:
     """`first` alone in a held pass; then `then`'s texts, as requests of their own, queued
-    behind it; every answer or error."""
+    behind it; every answer or error. The first `broken` deliveries raise (a worker's bug)."""
     batcher = make_batcher(embedder, max_batch_inputs=8)
     loop = asyncio.get_running_loop()
-    batcher.deliver = deliver_on(loop)
+    deliver = deliver_on(loop)
+
+    def delivering(deliveries: list[Delivery]) -> None:
+        nonlocal broken
+        if broken > 0:
+            broken -= 1
+            raise RuntimeError("injected bug while answering")
+        deliver(deliveries)
+
+    batcher.deliver = delivering
     compute = ComputeThread()
     batcher.start(compute)
     deadline = time.perf_counter() + 30
@@ -111,6 +129,19 @@ async def test_a_running_pass_is_answered_after_the_next_is_launched(
         expected = alone[text] / np.linalg.norm(alone[text])
         assert np.abs(item.vector - expected).max() <= 1e-6
     assert batcher.idle  # both passes' tokens released
+
+
+async def test_a_pass_that_comes_back_complete_waits_for_the_running_one_to_be_answered(
+    tiny_embedder: Embedder,
+) -> None:
+    """An eager pass behind a graphed one would wait for it on the GPU: the running pass is
+    answered first, not after both."""
+    device = FakeDevice(tiny_embedder, in_flight=True)
+    device.eager.add("fox")
+    batcher, outcomes = await run_requests(tiny_embedder, device, "hello", ["fox"])
+    assert device.events == ["launch hello", "result hello", "launch fox", "result fox"]
+    assert all(isinstance(outcome, Outcome) for outcome in outcomes)
+    assert batcher.idle
 
 
 async def test_a_pass_that_fails_on_its_way_back_reruns_each_request(
@@ -155,3 +186,15 @@ def test_a_gpu_engine_lets_the_other_threads_at_the_gil_sooner(device: str) -> N
         assert sys.getswitchinterval() == pytest.approx(expected)
     finally:
         sys.setswitchinterval(before)
+
+
+async def test_a_worker_that_breaks_while_a_pass_runs_fails_that_pass_s_requests_too(
+    tiny_embedder: Embedder,
+) -> None:
+    """The worker breaks answering "hello" after launching "fox" behind it: both requests get
+    an error (none waits forever) and no token stays counted as running."""
+    device = FakeDevice(tiny_embedder, in_flight=True)
+    batcher, outcomes = await run_requests(tiny_embedder, device, "hello", ["fox"], broken=1)
+    assert device.events == ["launch hello", "launch fox", "result hello"]
+    assert all(isinstance(outcome, BackendError) for outcome in outcomes)
+    assert batcher.crashed is not None and batcher._running_tokens == 0
