@@ -46,6 +46,26 @@ class MapRequest:
 NO_MAPS = MapRequest(frozenset(), ())
 
 
+# The last boolean mask `attend` turned into what SDPA adds to the scores, and the result.
+# Every layer of a pass attends with the same mask object; handed a boolean mask, SDPA would
+# convert it again in each layer (two `where` calls, a few percent of one sentence's pass on a
+# CPU). Replaced whole, so that a reader on another thread sees one consistent entry; holding
+# the mask keeps its identity from being reused while it is cached.
+_converted: tuple[Tensor, torch.dtype, Tensor] | None = None
+
+
+def _scores_to_add(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """`allowed` as SDPA adds it: 0 where a key may be attended to, -inf elsewhere."""
+    global _converted
+    last = _converted
+    if last is not None and last[0] is allowed and last[1] == dtype:
+        return last[2]
+    added = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    added.masked_fill_(~allowed, float("-inf"))
+    _converted = (allowed, dtype, added)
+    return added
+
+
 def attend(
     q: Tensor,
     k: Tensor,
@@ -63,9 +83,10 @@ def attend(
     Probabilities of disallowed keys are exactly 0, and a row with no allowed key is all
     zeros (never NaN), as the context of such a row is.
     """
-    mask: Tensor = allowed
     if bias is not None:
         mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
+    else:
+        mask = _scores_to_add(allowed, q.dtype)
     context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if map_heads is None:
         return context, None
