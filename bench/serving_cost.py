@@ -340,15 +340,11 @@ def report(rounds: dict[str, list[Round]], every: list[Target], args: argparse.N
     best = {name: min(runs, key=lambda r: r.us_per_request) for name, runs in rounds.items()}
     for name, runs in rounds.items():
         describe(name, best[name], runs)
-    ratios = {
-        target.name: best[target.name].us_per_request / best["floor"].us_per_request
-        for target in every
-        if target.server
-    }
-    for target in every:
-        if target.server:
-            print(f"{target.name}/floor CPU per request: {ratios[target.name]:.2f}x")
-            describe_engine(best[target.name].engine)
+    ratios: dict[str, float] = {}
+    for server in (target.name for target in every if target.server):
+        ratios[server] = best[server].us_per_request / best["floor"].us_per_request
+        print(f"{server}/floor CPU per request: {ratios[server]:.2f}x")
+        describe_engine(best[server].engine)
     figures: dict[str, Any] = {
         "seconds": args.seconds,
         "connections": CONNECTIONS,

@@ -6,7 +6,7 @@ seen), two figures from separate runs compare poorly; run in turns, seconds apar
 round meets the same drift in both. The revision is checked out in a temporary git worktree
 and served from it with this environment's packages (`python -m app` imports from its working
 directory first). For each load of bench.server's (1 x 1's p50, the others' texts/s), every
-round's figure per build, in turns whose order alternates, then each build's range and
+round's figure per build, in turns whose order rotates, then each build's range and
 median. Not in CI.
 Usage: python -m bench.side_by_side REVISION [--rounds 4] [--seconds 5]
                                     [--loads "1 x 1 short" "32 x 1 short"] [-- SERVER FLAGS]
@@ -58,9 +58,10 @@ def figure(load: Load, server: Server, seconds: float) -> float:
 
 
 def turns(names: Sequence[T], round_index: int) -> list[T]:
-    """The builds' order in a round: reversed every other round, so that none always runs
-    first or last."""
-    return list(names) if round_index % 2 == 0 else list(reversed(names))
+    """The order in a round: rotated by one each round, so that each takes every place in
+    turn (with two, they alternate; a reversal would keep the middle of three in place)."""
+    shift = round_index % len(names) if names else 0
+    return [*names[shift:], *names[:shift]]
 
 
 def summary(values: Sequence[float]) -> str:

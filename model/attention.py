@@ -46,31 +46,36 @@ class MapRequest:
 NO_MAPS = MapRequest(frozenset(), ())
 
 
-# The last boolean mask `attend` turned into what SDPA adds to the scores, and the result.
-# Every layer of a pass attends with the same mask object; handed a boolean mask, SDPA would
-# convert it again in each layer (two `where` calls, a few percent of one sentence's pass on a
-# CPU). Replaced whole, so that a reader on another thread sees one consistent entry; holding
-# the mask keeps its identity from being reused while it is cached.
-_converted: tuple[Tensor, torch.dtype, Tensor] | None = None
+class Mask:
+    """Where queries may attend in one pass, shared by its layers: a boolean tensor
+    broadcastable to (B, H, T, T), and what SDPA adds to the scores for it, made once per
+    dtype on first use. Handed the boolean tensor, SDPA would convert it in every layer (two
+    `where` calls a layer, a few percent of one sentence's pass on a CPU)."""
 
+    __slots__ = ("_added", "allowed")
 
-def _scores_to_add(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """`allowed` as SDPA adds it: 0 where a key may be attended to, -inf elsewhere."""
-    global _converted
-    last = _converted
-    if last is not None and last[0] is allowed and last[1] == dtype:
-        return last[2]
-    added = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    added.masked_fill_(~allowed, float("-inf"))
-    _converted = (allowed, dtype, added)
-    return added
+    def __init__(self, allowed: Tensor) -> None:
+        self.allowed = allowed
+        self._added: dict[torch.dtype, Tensor] = {}
+
+    def __and__(self, narrower: Tensor) -> Mask:
+        """This mask further restricted (a sliding window, causality): a mask of its own."""
+        return Mask(self.allowed & narrower)
+
+    def added(self, dtype: torch.dtype) -> Tensor:
+        """0 where a key may be attended to, -inf elsewhere."""
+        if (added := self._added.get(dtype)) is None:
+            added = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+            added.masked_fill_(~self.allowed, float("-inf"))
+            self._added[dtype] = added
+        return added
 
 
 def attend(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    allowed: Tensor,
+    mask: Mask,
     *,
     bias: Tensor | None = None,
     scale: float | None = None,
@@ -79,15 +84,16 @@ def attend(
     """(B, H, T, hd) q, k, v -> (B, H, T, hd) context, and (B, h, T, T) probabilities of the
     `map_heads` (h of them) when asked for.
 
-    `allowed` is a boolean mask broadcastable to (B, H, T, T); `bias` is added to the scores.
+    `mask` says which keys each query may attend to; `bias` is added to the scores.
     Probabilities of disallowed keys are exactly 0, and a row with no allowed key is all
     zeros (never NaN), as the context of such a row is.
     """
-    if bias is not None:
-        mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
+    allowed = mask.allowed
+    if bias is None:
+        added = mask.added(q.dtype)
     else:
-        mask = _scores_to_add(allowed, q.dtype)
-    context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        added = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=added, scale=scale)
     if map_heads is None:
         return context, None
     heads = list(map_heads)

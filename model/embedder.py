@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -50,10 +49,8 @@ class BatchOutput:
     token_embeddings: list[Tensor] | None  # per input (T_i, hidden_size)
     attentions: list[dict[int, Tensor]] | None  # per input, layer -> (h, T_i, T_i) or (T_i, T_i)
 
-    # A pass's output handed back by `Embedder.launch` when it is complete (see `OnItsWay`).
-    in_flight: ClassVar[bool] = False
-
     def result(self) -> BatchOutput:
+        """What `Embedder.launch` hands back for a pass that is complete (see `OnItsWay`)."""
         return self
 
 
@@ -61,8 +58,6 @@ class OnItsWay:
     """A graphed pass's pooled rows while the GPU still runs it: their copy into pinned CPU
     memory is queued behind the pass, and `result` waits for it. The caller's thread is free
     meanwhile (to answer the batch before, to choose the next)."""
-
-    in_flight = True
 
     def __init__(self, pooled: Tensor, arrived: torch.cuda.Event) -> None:
         self._pooled = pooled
@@ -210,13 +205,8 @@ class Embedder:
                 if not 0 <= layer < self.info.num_layers:
                     raise ValueError(f"attention layer {layer} outside [0, {self.info.num_layers})")
         ids = [item.ids if isinstance(item, Encoded) else list(item) for item in batch]
-        lengths = np.array([len(row) for row in ids], dtype=np.int64)
-        width = int(lengths.max(initial=0))
         prompts = [item.prompt_length if isinstance(item, Encoded) else 0 for item in batch]
         pad_id = self.network.config.pad_token_id
-        # A model with one token type takes none (transformers' tokenizers for RoBERTa and
-        # XLM-R do not return them), whatever the pair template numbers.
-        type_ids = _token_types(batch, width) if self.network.config.type_vocab_size > 1 else None
         shape = self.graph_shape(batch, token_embeddings=token_embeddings, attention=attention)
         if self.graphs is not None and shape is not None:
             with torch.inference_mode():
@@ -227,6 +217,9 @@ class Embedder:
                 arrived = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 arrived.record()
                 return OnItsWay(pooled, arrived)
+        lengths = np.array([len(row) for row in ids], dtype=np.int64)
+        width = int(lengths.max(initial=0))
+        type_ids = _token_types(batch, width) if self._takes_types(batch) else None
         grid, mask, prompt_lengths = padded_batch(ids, prompts, (len(ids), width), pad_id)
         input_ids = _on(grid, self.device)
         attention_mask = _on(mask, self.device)
@@ -259,11 +252,18 @@ class Embedder:
         None where the pass runs eagerly and comes back complete."""
         if self.graphs is None or token_embeddings or attention is not None:
             return None
-        inputs = [item for item in batch if isinstance(item, Encoded)]
-        if self.network.config.type_vocab_size > 1 and any(item.type_ids for item in inputs):
+        if self._takes_types(batch):
             return None
         width = max((len(i.ids if isinstance(i, Encoded) else i) for i in batch), default=0)
         return self.graphs.bucket(len(batch), width)
+
+    def _takes_types(self, batch: Sequence[ModelInput]) -> bool:
+        """Whether the pass takes segment ids: some input is a pair, and the model has more
+        than one token type (transformers' tokenizers for RoBERTa and XLM-R return none,
+        whatever the pair template numbers)."""
+        return self.network.config.type_vocab_size > 1 and any(
+            isinstance(item, Encoded) and item.type_ids for item in batch
+        )
 
     def pooled_forward(
         self, input_ids: Tensor, attention_mask: Tensor, prompt_lengths: Tensor
@@ -328,10 +328,8 @@ def _on(array: IntGrid, device: torch.device) -> Tensor:
     return torch.from_numpy(array).to(device, non_blocking=True)
 
 
-def _token_types(batch: Sequence[ModelInput], width: int) -> Tensor | None:
-    """(B, T) segments when any input is a pair; None when every input is one text."""
-    if not any(isinstance(item, Encoded) and item.type_ids for item in batch):
-        return None
+def _token_types(batch: Sequence[ModelInput], width: int) -> Tensor:
+    """(B, T) segments, 0 for the inputs that are one text."""
     types = np.zeros((len(batch), width), dtype=np.int64)
     for row, item in enumerate(batch):
         if isinstance(item, Encoded) and item.type_ids:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from model.attention import key_padding_mask
+from model.attention import Mask, key_padding_mask
 
 # Below this share of padding, gathering and scattering the real tokens costs as much as the
 # padded rows save (`python -m bench.layers`; docs/benchmarks.md).
@@ -33,7 +33,7 @@ class TokenLayout:
     width: int
     # Flat positions of the real tokens, (N,); None when the layers run on the whole grid.
     index: Tensor | None
-    key_mask: Tensor  # (B, 1, 1, T)
+    key_mask: Mask  # (B, 1, 1, T)
 
     @classmethod
     def from_mask(cls, attention_mask: Tensor) -> TokenLayout:
@@ -44,7 +44,7 @@ class TokenLayout:
             padding = 1 - int(flat.sum()) / max(flat.numel(), 1)
             if padding >= PACKING_MIN_PADDING:
                 index = flat.nonzero().squeeze(1)
-        return cls(batch, width, index, key_padding_mask(attention_mask))
+        return cls(batch, width, index, Mask(key_padding_mask(attention_mask)))
 
     def pack(self, x: Tensor) -> Tensor:
         """(B, T, F) -> (N, F): the real tokens only (all B x T of them when unpacked)."""

@@ -72,7 +72,8 @@ class Launched:
     """A batch whose pass has started: what `_complete` needs once its output is back."""
 
     batch: list[WorkItem]
-    tokens: int  # released when it is done (0: a retry's, released already)
+    tokens: int
+    running: int  # of them, counted as running until it is done (0: a retry's, released)
     output: PendingOutput
     started: float  # time.perf_counter()
     cpu_seconds: float  # the launch's, on the worker thread
@@ -307,16 +308,15 @@ class Batcher:
                 self._trimmer.maybe_trim()
                 batch = self._next_batch(wait=in_flight is None)
                 taken = batch or []
-                if in_flight is not None and taken and not self._overlaps(taken):
+                overlaps = bool(taken) and self._overlaps(taken)
+                if in_flight is not None and not overlaps:
                     self._complete(in_flight)
                     in_flight = None
                 launched = self._launch(taken, release=True) if taken else None
                 if in_flight is not None:
                     self._complete(in_flight)
-                    in_flight = None
-                if launched is not None and launched.output.in_flight:
-                    in_flight = launched
-                elif launched is not None:
+                in_flight = launched if overlaps else None
+                if launched is not None and not overlaps:
                     self._complete(launched)
                 taken = []
                 if batch is None:
@@ -440,24 +440,26 @@ class Batcher:
         self.metrics.batch_size.observe(len(batch))
         self.metrics.batch_tokens.observe(padded)
         self.metrics.padding_ratio.observe(1 - sum(lengths) / padded if padded else 0.0)
-        tokens = sum(lengths) if release else 0
+        tokens = sum(lengths)
+        running = tokens if release else 0
         started, cpu_started = time.perf_counter(), time.thread_time()
-        if (output := self._attempt(batch, tokens, self._forward, batch)) is None:
+        if (output := self._attempt(batch, running, self._forward, batch)) is None:
             return None
-        return Launched(batch, tokens, output, started, time.thread_time() - cpu_started)
+        cpu_seconds = time.thread_time() - cpu_started
+        return Launched(batch, tokens, running, output, started, cpu_seconds)
 
     def _complete(self, launched: Launched) -> None:
         """Wait for a launched pass's output (at once for a complete one) and answer it."""
         cpu_started = time.thread_time()
-        output = self._attempt(launched.batch, launched.tokens, launched.output.result)
+        output = self._attempt(launched.batch, launched.running, launched.output.result)
         if output is None:
             return
-        self._release(launched.tokens)
+        self._release(launched.running)
         now = time.perf_counter()
         # A pass launched behind another starts on the device when that one ends.
         seconds = now - max(launched.started, self._last_done)
         self._last_done = now
-        self.record_pace(seconds, sum(item.length for item in launched.batch))
+        self.record_pace(seconds, launched.tokens)
         self.metrics.inference_seconds.observe(seconds)
         cpu = launched.cpu_seconds + time.thread_time() - cpu_started
         self.metrics.forward_cpu_seconds.inc(cpu)

@@ -36,9 +36,9 @@ GPU_SWITCH_INTERVAL = 0.0005
 
 def share_the_gil(device: str) -> None:
     """On a GPU the compute thread seldom waits (the next pass is launched while the last one
-    runs) and seldom lets go of the GIL for long: the thread that reads the front ends'
-    requests, or the event loop, would then get it only once per switch interval, and the
-    queue would fill by the default's 5 ms steps. On a CPU every pass lets it go."""
+    runs) and seldom lets go of the GIL for long; a thread waiting for the GIL (the one that
+    reads the front ends' requests, or the event loop) asks for it only after the switch
+    interval. On a CPU every pass lets it go."""
     if device.startswith("cuda"):
         sys.setswitchinterval(GPU_SWITCH_INTERVAL)
 

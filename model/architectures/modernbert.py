@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from model.activations import ACTIVATIONS, Activation, activate
 from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
-from model.attention import NO_MAPS, MapRequest, attend, sliding_window
+from model.attention import NO_MAPS, MapRequest, Mask, attend, sliding_window
 from model.errors import ConfigError
 from model.packing import TokenLayout, in_row_chunks
 from model.rotary import rotary_tables, rotate
@@ -138,7 +138,7 @@ class Attention(nn.Module):
         h: Tensor,
         layout: TokenLayout,
         rotary: tuple[Tensor, Tensor],
-        allowed: Tensor,
+        allowed: Mask,
         map_heads: tuple[int, ...] | None,
     ) -> tuple[Tensor, Tensor | None]:
         """(N, D) packed tokens -> (N, D) projected context, and (B, h, T, T) if asked."""
@@ -182,7 +182,7 @@ class EncoderLayer(nn.Module):
         x: Tensor,
         layout: TokenLayout,
         rotary: tuple[Tensor, Tensor],
-        allowed: Tensor,
+        allowed: Mask,
         map_heads: tuple[int, ...] | None,
     ) -> tuple[Tensor, Tensor | None]:
         """(N, D) packed tokens in and out."""

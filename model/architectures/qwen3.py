@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.architectures.base import ConfigReader, Encoder, EncoderConfig, EncoderOutput, run_layers
-from model.attention import NO_MAPS, MapRequest, attend
+from model.attention import NO_MAPS, MapRequest, Mask, attend
 from model.errors import ConfigError
 from model.packing import TokenLayout, in_row_chunks
 from model.rotary import rotary_tables, rotate
@@ -148,7 +148,7 @@ class Attention(nn.Module):
         h: Tensor,
         layout: TokenLayout,
         rotary: tuple[Tensor, Tensor],
-        allowed: Tensor,
+        allowed: Mask,
         map_heads: tuple[int, ...] | None,
     ) -> tuple[Tensor, Tensor | None]:
         """(N, D) packed tokens -> (N, D) projected context, and (B, h, T, T) if asked."""
@@ -195,7 +195,7 @@ class DecoderLayer(nn.Module):
         x: Tensor,
         layout: TokenLayout,
         rotary: tuple[Tensor, Tensor],
-        allowed: Tensor,
+        allowed: Mask,
         map_heads: tuple[int, ...] | None,
     ) -> tuple[Tensor, Tensor | None]:
         """(N, D) packed tokens in and out."""

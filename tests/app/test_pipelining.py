@@ -26,11 +26,10 @@ pytestmark = pytest.mark.anyio
 
 
 class Pending:
-    """A pass's output as a GPU's graphed pass hands it back (`in_flight`), or complete."""
+    """A pass's output as `Embedder.launch` hands it back: `result` says when it is awaited."""
 
-    def __init__(self, output: BatchOutput, name: str, events: list[str], in_flight: bool):
-        self.output, self.name, self.events, self.in_flight = output, name, events, in_flight
-        self.fails = False
+    def __init__(self, output: BatchOutput, name: str, events: list[str], fails: bool):
+        self.output, self.name, self.events, self.fails = output, name, events, fails
 
     def result(self) -> BatchOutput:
         self.events.append(f"result {self.name}")
@@ -41,8 +40,8 @@ class Pending:
 
 class FakeDevice:
     """Wraps `Embedder.launch`: names each pass by its texts, holds the first until released,
-    can make some passes fail when their output is awaited, and some come back complete
-    (`eager`, as a GPU's eager passes do: `graph_shape` says so beforehand)."""
+    can make some passes fail when their output is awaited. `graph_shape` says which come
+    back still running (all with `in_flight`, but the `eager` ones, as on a GPU)."""
 
     def __init__(self, embedder: Embedder, in_flight: bool) -> None:
         self.real = embedder.launch
@@ -67,11 +66,9 @@ class FakeDevice:
         self.events.append(f"launch {name}")
         self.entered.set()
         self.release.wait(timeout=30)
-        in_flight = self.graph_shape(batch) is not None
-        pending = Pending(self.real(batch, **kwargs).result(), name, self.events, in_flight)
-        pending.fails = name in self.failing
+        fails = name in self.failing
         self.failing.discard(name)  # fails once: its rerun succeeds
-        return pending
+        return Pending(self.real(batch, **kwargs).result(), name, self.events, fails)
 
 
 async def run_requests(

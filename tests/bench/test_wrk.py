@@ -29,7 +29,11 @@ def test_batch_sums_add_up_every_label() -> None:
 
 
 def test_side_by_side_alternates_the_builds_and_summarises_each() -> None:
-    """Neither build always runs first; each load's figures read as their range and median."""
+    """No build always runs first, and with three (the floor and two servers) each takes
+    every place in turn; each load's figures read as their range and median."""
     builds = ["f477bca", WORKING_TREE]
     assert [turns(builds, index) for index in range(3)] == [builds, builds[::-1], builds]
+    three = ["floor", "server", "server at f477bca"]
+    places = [turns(three, index).index("server") for index in range(3)]
+    assert sorted(places) == [0, 1, 2]
     assert summary([11.5, 9.5, 12.0, 10.5]) == "9.5 to 12.0 (median 11.0)"

@@ -107,4 +107,4 @@ def test_packing_is_decided_on_the_cpu_only() -> None:
     assert packing.TokenLayout.from_mask(mask).index is not None  # 62% padding, on the CPU
     on_device = packing.TokenLayout.from_mask(mask.to("meta"))
     assert on_device.index is None
-    assert on_device.key_mask.shape == (2, 1, 1, 4)
+    assert on_device.key_mask.allowed.shape == (2, 1, 1, 4)
