@@ -108,6 +108,7 @@ def create_app(
             for task in loading:
                 task.cancel()
             await asyncio.gather(*(each.stop() for each in models.values()))
+            metrics.tally.flush()  # the last requests' figures, for a scrape of the files
 
     app = EmbeddingApp(
         title="embedding-server",

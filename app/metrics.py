@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from app.tally import Tally
+
 MULTIPROCESS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 DURATION_BUCKETS = (
@@ -47,6 +49,8 @@ class Metrics:
         # prometheus_client keeps values in files exactly when this variable is set.
         self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_VARIABLE)
         self.registry = CollectorRegistry()
+        # The per-request figures of the HTTP and gRPC paths, written in bulk (app/tally.py).
+        self.tally = Tally()
         r = self.registry
         self.requests = Counter(
             "embed_requests", "HTTP requests by route and status.", ["route", "status"], registry=r
@@ -147,6 +151,7 @@ class Metrics:
 
     def render(self) -> bytes:
         """The exposition text: this process's values, or every worker's summed."""
+        self.tally.flush()
         if self.multiprocess_dir is None:
             return generate_latest(self.registry)
         workers = CollectorRegistry()
@@ -168,9 +173,11 @@ class ModelMetrics:
 
     def __init__(self, metrics: Metrics, model: str) -> None:
         self.model = model
+        self.tally = metrics.tally
         self.multiprocess_dir = metrics.multiprocess_dir
         self.model_info = metrics.model_info
         self._forward_passes = metrics.forward_passes
+        self._forward_passes_by_threads: dict[int, Counter] = {}
         self.inputs = metrics.inputs.labels(model)
         self.tokens = metrics.tokens.labels(model)
         self.queue_depth = metrics.queue_depth.labels(model)
@@ -184,8 +191,13 @@ class ModelMetrics:
         self.forward_cpu_seconds = metrics.forward_cpu_seconds.labels(model)
         self.input_tokens = metrics.input_tokens.labels(model)
 
-    def forward_pass(self, threads: int) -> None:
-        self._forward_passes.labels(self.model, str(threads)).inc()
+    def forward_passes_on(self, threads: int) -> Counter:
+        """The forward passes' counter of passes on `threads` threads."""
+        counter = self._forward_passes_by_threads.get(threads)
+        if counter is None:
+            counter = self._forward_passes.labels(self.model, str(threads))
+            self._forward_passes_by_threads[threads] = counter
+        return counter
 
     def watch_queue(
         self, depth: Callable[[], int], tokens: Callable[[], int]

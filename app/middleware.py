@@ -153,15 +153,18 @@ class ServiceMiddleware:
             if admitted:
                 self.active -= 1
             self._count(route, status)
+            tally = self.metrics.tally
             if route != "other":
-                self.metrics.request_seconds.observe(time.perf_counter() - started)
+                tally.observe(self.metrics.request_seconds, time.perf_counter() - started)
+            if self.active == 0:  # a quiet server's metrics are exact (app/tally.py)
+                tally.flush()
 
     def _count(self, route: str, status: int) -> None:
         counter = self._counters.get((route, status))
         if counter is None:
             counter = self.metrics.requests.labels(route, str(status))
             self._counters[route, status] = counter
-        counter.inc()
+        self.metrics.tally.count(counter)
 
     def _admit(self) -> None:
         if self.active >= self.max_concurrent:

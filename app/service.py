@@ -401,10 +401,11 @@ class EmbeddingService:
 
     def _count(self, encoded: Sequence[Encoded], tokens: int) -> None:
         """A finished request's inputs and tokens, in the metrics."""
-        self.metrics.inputs.inc(len(encoded))
-        self.metrics.tokens.inc(tokens)
+        tally = self.metrics.tally
+        tally.count(self.metrics.inputs, len(encoded))
+        tally.count(self.metrics.tokens, tokens)
         for e in encoded:
-            self.metrics.input_tokens.observe(len(e.ids))
+            tally.observe(self.metrics.input_tokens, len(e.ids))
 
     def _enter(self) -> TextCodec:
         """Count an accepted request, so that a drain waits for it."""
@@ -450,7 +451,7 @@ class EmbeddingService:
             watch.close()
         # Observed by the front ends, which are many, per request: not by the engine, which
         # must keep its device busy, per input.
-        self.metrics.queue_seconds.observe(outcome.queue_seconds)
+        self.metrics.tally.observe(self.metrics.queue_seconds, outcome.queue_seconds)
         return outcome.items, outcome.queue_seconds, outcome.inference_seconds
 
 

@@ -137,5 +137,5 @@ class Tokenization:
         except InputError as exc:
             raise ValidationFailedError(str(exc), param="input") from exc
         seconds = time.perf_counter() - started
-        self.metrics.tokenization_seconds.observe(seconds)
+        self.metrics.tally.observe(self.metrics.tokenization_seconds, seconds)
         return encoded, seconds

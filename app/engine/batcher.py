@@ -31,6 +31,7 @@ from app.engine.protocol import Admission, ItemResult, LateDocument, Outcome, Wa
 from app.errors import BackendError, OverloadedError, ServiceError
 from app.memory import Trimmer
 from app.metrics import ModelMetrics
+from app.tally import Tally
 from app.tasks import TASKS
 from model import AttentionSpec, BatchOutput, Embedder, Encoded, PendingOutput
 from model.vectors import finish
@@ -149,6 +150,8 @@ class Batcher:
     ) -> None:
         self.embedder = embedder
         self.metrics = metrics
+        # The passes' figures, written in bulk by the worker (app/tally.py).
+        self._tally = Tally()
         self.deliver = deliver
         # The task's last step on each input's pooled row (app/tasks/).
         self.finish = TASKS[embedder.info.task].finish
@@ -320,6 +323,7 @@ class Batcher:
                     self._complete(launched)
                 taken = []
                 if batch is None:
+                    self._tally.flush()
                     return
         except BaseException as exc:
             # Not a forward-pass failure (those are handled per batch): the worker itself
@@ -437,9 +441,10 @@ class Batcher:
         its tokens count as running until it is done."""
         lengths = [item.length for item in batch]
         padded = max(lengths) * len(batch)
-        self.metrics.batch_size.observe(len(batch))
-        self.metrics.batch_tokens.observe(padded)
-        self.metrics.padding_ratio.observe(1 - sum(lengths) / padded if padded else 0.0)
+        tally, metrics = self._tally, self.metrics
+        tally.observe(metrics.batch_size, len(batch))
+        tally.observe(metrics.batch_tokens, padded)
+        tally.observe(metrics.padding_ratio, 1 - sum(lengths) / padded if padded else 0.0)
         tokens = sum(lengths)
         running = tokens if release else 0
         started, cpu_started = time.perf_counter(), time.thread_time()
@@ -460,9 +465,11 @@ class Batcher:
         seconds = now - max(launched.started, self._last_done)
         self._last_done = now
         self.record_pace(seconds, launched.tokens)
-        self.metrics.inference_seconds.observe(seconds)
+        self._tally.observe(self.metrics.inference_seconds, seconds)
         cpu = launched.cpu_seconds + time.thread_time() - cpu_started
-        self.metrics.forward_cpu_seconds.inc(cpu)
+        self._tally.count(self.metrics.forward_cpu_seconds, cpu)
+        if not self._queue:  # quiet: the metrics are exact before the answers go out
+            self._tally.flush()
         self._deliver_finished(launched.batch, output, now - seconds, seconds)
 
     def _attempt(
@@ -507,7 +514,7 @@ class Batcher:
             # On this thread, the one that runs torch: the thread count is per thread.
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
-            self.metrics.forward_pass(threads)
+            self._tally.count(self.metrics.forward_passes_on(threads))
             return self._run_model(batch)
 
     def _run_model(self, batch: list[WorkItem]) -> PendingOutput:

@@ -306,7 +306,9 @@ class GrpcServer:
         finally:
             self._count(path, status)
             if not wait:
-                self.metrics.request_seconds.observe(time.perf_counter() - started)
+                self.metrics.tally.observe(
+                    self.metrics.request_seconds, time.perf_counter() - started
+                )
 
     async def _check(self, context: Context) -> None:
         """The API key, as the HTTP routes take it: `authorization: Bearer <key>`."""
@@ -337,7 +339,7 @@ class GrpcServer:
         if counter is None:
             counter = self.metrics.requests.labels(path, str(status))
             self._counters[path, status] = counter
-        counter.inc()
+        self.metrics.tally.count(counter)
 
 
 def drained(queue: asyncio.Queue[Any]) -> list[asyncio.Future[Any]]:
