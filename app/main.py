@@ -107,8 +107,10 @@ def create_app(
         finally:
             for task in loading:
                 task.cancel()
-            await asyncio.gather(*(each.stop() for each in models.values()))
-            metrics.tally.flush()  # the last requests' figures, for a scrape of the files
+            try:
+                await asyncio.gather(*(each.stop() for each in models.values()))
+            finally:
+                metrics.tally.flush()  # the last requests' figures, for a scrape of the files
 
     app = EmbeddingApp(
         title="embedding-server",

@@ -5,10 +5,11 @@ prometheus_client writes every `inc` and `observe` under a lock and, under the s
 placement, into a shared file: a request's eleven writes cost a front end about as much as
 parsing its body (`python -m bench.serving_cost`; docs/benchmarks.md). What is held is
 written when its owner goes quiet (the HTTP middleware with no request left in progress, a
-batch worker with an empty queue: a quiet server's metrics are exact), when this process's
-metrics are rendered, and otherwise at most `interval` seconds after the first figure held
-(by a timer on the event loop, or by the next figure on a thread without one): what another
-process's scrape shows lags by at most about that.
+batch worker about to wait for work, and before it answers a batch that left its queue
+empty: a quiet server's metrics are exact), the event loop's when its process renders the
+metrics, and otherwise `interval` seconds after the first figure held (by a timer on the
+event loop, or by the first figure after that on a thread without one): under load a scrape
+shows a process's figures as they were about that long ago.
 
 A tally belongs to one thread: the event loop's (the HTTP and gRPC paths) or a batch
 worker's (its passes).

@@ -337,6 +337,7 @@ class Batcher:
                 self._queue_changed()
             orphans += taken + (in_flight.batch if in_flight is not None else [])
             self._fail({item.ticket for item in orphans}, "the batch worker has stopped")
+            self._tally.flush()
             raise
 
     def _overlaps(self, batch: list[WorkItem]) -> bool:
@@ -351,6 +352,9 @@ class Batcher:
                 if not self._queue:
                     if not wait:
                         return []
+                    # Quiet (the last pass answered, or its inputs dropped or failed): what
+                    # the tally holds is written before the wait, however long it is.
+                    self._tally.flush()
                     self._condition.wait()
                     continue
                 if wait:  # with a pass still running, what has come goes next

@@ -353,6 +353,34 @@ def test_input_abandoned_during_the_batch_wait_does_not_run(
     assert chosen == [[second]]
 
 
+def test_a_worker_whose_queue_empties_without_a_pass_writes_its_figures(
+    tiny_embedder: Embedder,
+) -> None:
+    """Pass figures are held (app/tally.py) and written when the worker goes quiet: also
+    when its last inputs are dropped instead of answered by a pass."""
+    import threading
+
+    batcher = make_batcher(tiny_embedder)
+    [item] = make_items([3])
+    batcher.submit(item.ticket)
+    item.ticket.abandoned = True  # its client left: dropped, never run
+    batcher._tally.observe(batcher.metrics.batch_size, 2)  # a pass's figure, still held
+    worker = threading.Thread(target=batcher._next_batch, daemon=True)
+    worker.start()  # drops the input, then waits for work
+
+    def passes_written() -> float:
+        [family] = batcher.metrics.batch_size.collect()
+        return next(s.value for s in family.samples if s.name.endswith("_count"))
+
+    deadline = time.monotonic() + 10
+    while passes_written() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert passes_written() == 1 and batcher.depth == 0
+    batcher.stop()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+
+
 def test_the_batch_wait_follows_how_many_clients_the_last_batch_served(
     tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
