@@ -108,6 +108,7 @@ class ServiceMiddleware:
             await send(message)
 
         admitted = False
+        self.metrics.tally.begin()
         try:
             # A path under /models/{name}/ is that model's route (app/models.py); the served
             # names are told only to a client with the key.
@@ -153,11 +154,11 @@ class ServiceMiddleware:
             if admitted:
                 self.active -= 1
             self._count(route, status)
-            tally = self.metrics.tally
             if route != "other":
-                tally.observe(self.metrics.request_seconds, time.perf_counter() - started)
-            if self.active == 0:  # a quiet server's metrics are exact (app/tally.py)
-                tally.flush()
+                self.metrics.tally.observe(
+                    self.metrics.request_seconds, time.perf_counter() - started
+                )
+            self.metrics.tally.end()
 
     def _count(self, route: str, status: int) -> None:
         counter = self._counters.get((route, status))

@@ -2,10 +2,10 @@
 bulk: one write per series when flushed, instead of one per figure.
 
 prometheus_client writes every `inc` and `observe` under a lock and, under the split
-placement, into a shared file: a request's eleven writes cost a front end about as much as
-parsing its body (`python -m bench.serving_cost`; docs/benchmarks.md). What is held is
-written when its owner goes quiet (the HTTP middleware with no request left in progress, a
-batch worker about to wait for work, and before it answers a batch that left its queue
+placement, into a shared file: eleven writes for a one-input request, about a tenth of the
+split server's CPU per request (`python -m bench.serving_cost`; docs/benchmarks.md). What is held is
+written when its owner goes quiet (the event loop with no HTTP request or gRPC call left in
+progress, a batch worker about to wait for work, and before it answers a batch that left its queue
 empty: a quiet server's metrics are exact), the event loop's when its process renders the
 metrics, and otherwise `interval` seconds after the first figure held (by a timer on the
 event loop, or by the first figure after that on a thread without one): under load a scrape
@@ -58,6 +58,7 @@ class Tally:
         self._observed: dict[Histogram, _Observations] = {}
         self._due: float | None = None  # time.monotonic() by which what is held is written
         self._timer: asyncio.TimerHandle | None = None
+        self._in_progress = 0  # requests begun and not yet ended (`begin`, `end`)
 
     def count(self, counter: Counter, amount: float = 1.0) -> None:
         """`counter.inc(amount)`, at the next flush; `counter` has its labels."""
@@ -71,6 +72,17 @@ class Tally:
             observations = self._observed[histogram] = _Observations(histogram)
         observations.add(value)
         self._held()
+
+    def begin(self) -> None:
+        """A request (HTTP or gRPC) is in progress."""
+        self._in_progress += 1
+
+    def end(self) -> None:
+        """A request has ended; with none left in progress, what is held is written (a quiet
+        server's metrics are exact)."""
+        self._in_progress -= 1
+        if self._in_progress == 0:
+            self.flush()
 
     def flush(self) -> None:
         """Write every figure held."""

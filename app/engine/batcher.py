@@ -311,11 +311,17 @@ class Batcher:
                 self._trimmer.maybe_trim()
                 batch = self._next_batch(wait=in_flight is None)
                 taken = batch or []
-                overlaps = bool(taken) and self._overlaps(taken)
+                arguments = self._pass_of(taken) if taken else None
+                # Whether the pass comes back still running (model/embedder.py).
+                overlaps = arguments is not None and (
+                    self.embedder.graph_shape(**arguments) is not None
+                )
                 if in_flight is not None and not overlaps:
                     self._complete(in_flight)
                     in_flight = None
-                launched = self._launch(taken, release=True) if taken else None
+                launched = (
+                    self._launch(taken, arguments, release=True) if arguments is not None else None
+                )
                 if in_flight is not None:
                     self._complete(in_flight)
                 in_flight = launched if overlaps else None
@@ -339,10 +345,6 @@ class Batcher:
             self._fail({item.ticket for item in orphans}, "the batch worker has stopped")
             self._tally.flush()
             raise
-
-    def _overlaps(self, batch: list[WorkItem]) -> bool:
-        """Whether the batch's pass comes back still running (model/embedder.py)."""
-        return self.embedder.graph_shape(**self._pass_of(batch)) is not None
 
     def _next_batch(self, wait: bool = True) -> list[WorkItem] | None:
         """The next batch; None once stopping, and an empty one when the queue is empty and
@@ -437,10 +439,12 @@ class Batcher:
 
     def _execute(self, batch: list[WorkItem]) -> None:
         """Run a batch and answer it (a retry's: its tokens were released already)."""
-        if (launched := self._launch(batch, release=False)) is not None:
+        if (launched := self._launch(batch, self._pass_of(batch), release=False)) is not None:
             self._complete(launched)
 
-    def _launch(self, batch: list[WorkItem], release: bool) -> Launched | None:
+    def _launch(
+        self, batch: list[WorkItem], arguments: PassArguments, *, release: bool
+    ) -> Launched | None:
         """Start a batch's pass; None if it failed (then retried or failed here). `release`:
         its tokens count as running until it is done."""
         lengths = [item.length for item in batch]
@@ -452,7 +456,7 @@ class Batcher:
         tokens = sum(lengths)
         running = tokens if release else 0
         started, cpu_started = time.perf_counter(), time.thread_time()
-        if (output := self._attempt(batch, running, self._forward, batch)) is None:
+        if (output := self._attempt(batch, running, self._forward, arguments)) is None:
             return None
         cpu_seconds = time.thread_time() - cpu_started
         return Launched(batch, tokens, running, output, started, cpu_seconds)
@@ -511,18 +515,15 @@ class Batcher:
         self._seconds = ESTIMATE_DECAY * self._seconds + seconds
         self._tokens = ESTIMATE_DECAY * self._tokens + max(tokens, 1)
 
-    def _forward(self, batch: list[WorkItem]) -> PendingOutput:
+    def _forward(self, arguments: PassArguments) -> PendingOutput:
         if self.cores is None:
-            return self._run_model(batch)
+            return self.embedder.launch(**arguments)
         with self.cores.cores() as threads:
             # On this thread, the one that runs torch: the thread count is per thread.
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
             self._tally.count(self.metrics.forward_passes_on(threads))
-            return self._run_model(batch)
-
-    def _run_model(self, batch: list[WorkItem]) -> PendingOutput:
-        return self.embedder.launch(**self._pass_of(batch))
+            return self.embedder.launch(**arguments)
 
     @staticmethod
     def _pass_of(batch: list[WorkItem]) -> PassArguments:

@@ -110,7 +110,6 @@ class GrpcServer:
             settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
         )
         self.slots = asyncio.Semaphore(settings.max_concurrent_requests)
-        self.active = 0  # calls in progress: with none left, the metrics are written
         self.closing = False
         # Each open bidirectional stream's queue, to end idle ones on drain.
         self.streams: set[asyncio.Queue[Any]] = set()
@@ -283,7 +282,7 @@ class GrpcServer:
         becomes an internal error with an id to find it in the log."""
         started = time.perf_counter()
         status = 499  # unless it ends otherwise: the client cancelled
-        self.active += 1
+        self.metrics.tally.begin()
         try:
             if not wait and self.slots.locked():
                 raise OverloadedError(
@@ -311,9 +310,7 @@ class GrpcServer:
                 self.metrics.tally.observe(
                     self.metrics.request_seconds, time.perf_counter() - started
                 )
-            self.active -= 1
-            if self.active == 0:  # quiet: written now, as the HTTP middleware does
-                self.metrics.tally.flush()
+            self.metrics.tally.end()
 
     async def _check(self, context: Context) -> None:
         """The API key, as the HTTP routes take it: `authorization: Bearer <key>`."""

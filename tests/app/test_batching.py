@@ -466,9 +466,9 @@ def test_each_pass_runs_on_as_many_torch_threads_as_its_cores(tiny_embedder: Emb
             return real(*args, **kwargs)  # type: ignore[arg-type]
 
         tiny_embedder.launch = launch  # type: ignore[method-assign,assignment]
-        batcher._forward(make_items([5]))
+        batcher._forward(batcher._pass_of(make_items([5])))
         other.set_busy(True)
-        batcher._forward(make_items([5]))
+        batcher._forward(batcher._pass_of(make_items([5])))
         assert seen == [2, 1]
     finally:
         torch.set_num_threads(before)

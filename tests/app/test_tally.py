@@ -76,3 +76,16 @@ def test_without_an_event_loop_the_first_figure_past_the_interval_flushes() -> N
     time.sleep(0.1)
     tally.count(counter.labels("/embed"))  # held past the interval: all three are written
     assert registry.get_sample_value("c_total", {"route": "/embed"}) == 3.0
+
+
+async def test_the_last_request_to_end_writes_what_is_held() -> None:
+    registry = CollectorRegistry()
+    counter, _ = families(registry)
+    tally = Tally(interval=60.0)
+    tally.begin()
+    tally.begin()
+    tally.count(counter.labels("/embed"))
+    tally.end()  # one request is still in progress
+    assert registry.get_sample_value("c_total", {"route": "/embed"}) == 0.0
+    tally.end()
+    assert registry.get_sample_value("c_total", {"route": "/embed"}) == 1.0
