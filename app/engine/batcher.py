@@ -54,10 +54,8 @@ class WorkItem:
     encoded: Encoded
     ticket: Ticket
     row: int  # the input's position in its request
-
-    @property
-    def length(self) -> int:
-        return len(self.encoded.ids)
+    # Its tokens, counted once: the queue's bounds and the batch choice read it many times.
+    length: int
 
 
 class PassArguments(TypedDict):
@@ -104,7 +102,7 @@ class Ticket:
         self.wants = wants
         self.deadline = deadline  # time.perf_counter(): past it, nobody waits for the result
         self.reply_to = reply_to
-        self.items = [WorkItem(e, self, row) for row, e in enumerate(encoded)]
+        self.items = [WorkItem(e, self, row, len(e.ids)) for row, e in enumerate(encoded)]
         self.results: list[ItemResult | None] = [None] * len(self.items)
         self.remaining = len(self.items)
         self.tokens = sum(item.length for item in self.items)
@@ -420,11 +418,12 @@ class Batcher:
         oldest = window[0]
         spec = oldest.ticket.wants.attention
         # Inputs that want maps run only with inputs that want the same maps.
+        target = oldest.length
         similar = sorted(
             (item for item in window[1:] if item.ticket.wants.attention == spec),
-            key=lambda item: abs(item.length - oldest.length),
+            key=lambda item: abs(item.length - target),
         )
-        batch, longest = [oldest], oldest.length
+        batch, longest = [oldest], target
         for item in similar:
             if len(batch) == self.max_batch_inputs:
                 break
