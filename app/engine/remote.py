@@ -178,6 +178,8 @@ def least_busy(board: EngineBoard, in_flight: Sequence[int]) -> int:
     client's requests stay on one engine, whose threads are awake and whose caches are warm:
     turning to each idle engine in turn measured slower on a CPU (it woke the other engine's
     threads for every request)."""
+    if len(in_flight) == 1:
+        return 0
     return min(
         range(len(board)), key=lambda engine: (board.seconds_ahead(engine), in_flight[engine])
     )

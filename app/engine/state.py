@@ -12,8 +12,6 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
-import numpy as np
-
 FIELDS = 2  # backlog tokens, seconds per token
 
 
@@ -22,7 +20,10 @@ class EngineBoard:
         size = engines * FIELDS * 8
         with path.open("r+b") as file:
             self._map = mmap.mmap(file.fileno(), size)
-        self.rows = np.ndarray((engines, FIELDS), dtype=np.float64, buffer=self._map)
+        # The float64 cells as Python floats: a front end reads the board twice a request,
+        # and numpy's indexing of one scalar costs more than the read.
+        self._cells = memoryview(self._map).cast("d")
+        self._engines = engines
 
     @classmethod
     def create(cls, path: Path, engines: int) -> EngineBoard:
@@ -32,18 +33,19 @@ class EngineBoard:
         return cls(path, engines)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self._engines
 
     def publish(self, engine: int, backlog: int, seconds_per_token: float) -> None:
-        row = self.rows[engine]
-        row[0] = backlog
-        row[1] = seconds_per_token
+        at = engine * FIELDS
+        self._cells[at] = backlog
+        self._cells[at + 1] = seconds_per_token
 
     def backlog(self, engine: int) -> tuple[int, float]:
         """Tokens queued and running, and the recent seconds per token."""
-        row = self.rows[engine]
-        return int(row[0]), float(row[1])
+        at = engine * FIELDS
+        return int(self._cells[at]), self._cells[at + 1]
 
     def seconds_ahead(self, engine: int) -> float:
-        tokens, pace = self.backlog(engine)
-        return tokens * pace
+        at = engine * FIELDS
+        seconds: float = self._cells[at] * self._cells[at + 1]
+        return seconds
