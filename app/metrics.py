@@ -177,7 +177,6 @@ class ModelMetrics:
         self.multiprocess_dir = metrics.multiprocess_dir
         self.model_info = metrics.model_info
         self._forward_passes = metrics.forward_passes
-        self._forward_passes_by_threads: dict[int, Counter] = {}
         self.inputs = metrics.inputs.labels(model)
         self.tokens = metrics.tokens.labels(model)
         self.queue_depth = metrics.queue_depth.labels(model)
@@ -193,10 +192,7 @@ class ModelMetrics:
 
     def forward_passes_on(self, threads: int) -> Counter:
         """The forward passes' counter of passes on `threads` threads."""
-        counter = self._forward_passes_by_threads.get(threads)
-        if counter is None:
-            counter = self._forward_passes.labels(self.model, str(threads))
-            self._forward_passes_by_threads[threads] = counter
+        counter: Counter = self._forward_passes.labels(self.model, str(threads))
         return counter
 
     def watch_queue(

@@ -327,7 +327,6 @@ class Batcher:
                     self._complete(launched)
                 taken = []
                 if batch is None:
-                    self._tally.flush()
                     return
         except BaseException as exc:
             # Not a forward-pass failure (those are handled per batch): the worker itself
@@ -341,8 +340,9 @@ class Batcher:
                 self._queue_changed()
             orphans += taken + (in_flight.batch if in_flight is not None else [])
             self._fail({item.ticket for item in orphans}, "the batch worker has stopped")
-            self._tally.flush()
             raise
+        finally:
+            self._tally.flush()  # stopped or broken: the pass figures it still holds
 
     def _next_batch(self, wait: bool = True) -> list[WorkItem] | None:
         """The next batch; None once stopping, and an empty one when the queue is empty and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import threading
 import time
 from pathlib import Path
 
@@ -358,8 +359,6 @@ def test_a_worker_whose_queue_empties_without_a_pass_writes_its_figures(
 ) -> None:
     """Pass figures are held (app/tally.py) and written when the worker goes quiet: also
     when its last inputs are dropped instead of answered by a pass."""
-    import threading
-
     batcher = make_batcher(tiny_embedder)
     [item] = make_items([3])
     batcher.submit(item.ticket)
@@ -449,6 +448,11 @@ def test_the_quiet_gap_counts_from_the_last_arrival_or_from_the_wait_s_start(
         assert at_least - 0.05 <= time.perf_counter() - started < 10
 
 
+def passes_on(batcher: Batcher, threads: int) -> float:
+    [family] = batcher.metrics.forward_passes_on(threads).collect()
+    return next(s.value for s in family.samples if s.name.endswith("_total"))
+
+
 def test_each_pass_runs_on_as_many_torch_threads_as_its_cores(tiny_embedder: Embedder) -> None:
     """Under --workers the lease says how many cores a pass may take (app/cores.py); the
     batcher runs it on that many threads: all of them alone, its share beside a busy worker."""
@@ -470,6 +474,8 @@ def test_each_pass_runs_on_as_many_torch_threads_as_its_cores(tiny_embedder: Emb
         other.set_busy(True)
         batcher._forward(batcher._pass_of(make_items([5])))
         assert seen == [2, 1]
+        batcher._tally.flush()  # embed_forward_passes_total{threads} says the same
+        assert [passes_on(batcher, threads) for threads in (2, 1)] == [1, 1]
     finally:
         torch.set_num_threads(before)
         pool.remove()
