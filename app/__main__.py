@@ -15,6 +15,7 @@ from app.logs import configure_logging
 from app.memory import limit_arenas
 from app.settings import Settings
 from app.supervisor import resolve_devices_in_child, supervise
+from app.tokenization import tokenize_on_calling_threads
 from model import ModelError
 from model.footprint import weight_bytes
 from model.resolve import resolve_model_dir
@@ -87,6 +88,7 @@ def over_budget(settings: Settings, folders: dict[str, Path]) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     # Before any thread starts: a malloc arena per thread is what makes RSS creep.
     limit_arenas()
+    tokenize_on_calling_threads()  # inherited by every front end
     settings = load_settings(argv)
     configure_logging(settings.log_level, settings.log_format)
     try:

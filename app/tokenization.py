@@ -8,6 +8,7 @@ pairs of texts (for cross-encoders) may be mixed; the model's input errors becom
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +31,21 @@ TOKEN_ID_HINT = (
     "tiktoken ids unless check_embedding_ctx_length=False)"
 )
 
+# `tokenizers` reads it at every batch call: "false" keeps a batch on the calling thread.
+PARALLELISM_VARIABLE = "TOKENIZERS_PARALLELISM"
+
 Input = RawInput | TextPair
 Done = TypeVar("Done")
+
+
+def tokenize_on_calling_threads() -> None:
+    """Unless the operator chose otherwise, a batch of texts is tokenized on the thread that
+    asks. `tokenizers` would spread it over a pool of its own, a thread per CPU in every
+    process, whose threads spin while they wait: on a 16-core GPU machine's front ends that
+    cost several times the CPU of tokenizing each text in turn (docs/benchmarks.md). A
+    server's parallelism comes from its requests: front-end processes, the tokenizer threads
+    of large requests."""
+    os.environ.setdefault(PARALLELISM_VARIABLE, "false")
 
 
 def characters(item: Input) -> int:

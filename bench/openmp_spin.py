@@ -52,7 +52,7 @@ Round = dict[str, Figure]
 
 def cpu_seconds(server: Server) -> float:
     cpu = server.cpu()
-    return cpu.event_loops + cpu.rest
+    return cpu.total
 
 
 def back_to_back(server: Server, bodies: list[str], seconds: float) -> Figure:

@@ -123,8 +123,12 @@ def bodies(load: Load) -> list[str]:
 @dataclass(frozen=True)
 class LoadRun:
     wrk: WrkResult
-    event_loop_ms: float  # CPU per text on the server's event loops
-    other_ms: float  # CPU per text on its other threads: the model (spin-waits included)
+    # CPU per text (bench/wrk.py's ServerCpu): the front ends' event loops and other threads,
+    # the engines' main threads (reading submissions) and other threads (the batches).
+    frontend_loop_ms: float
+    frontend_other_ms: float
+    engine_main_ms: float
+    engine_other_ms: float
     batch_inputs: float  # mean inputs per forward pass
     padding: float  # mean padded share of a forward pass's tokens
     busy: float  # share of the run each worker spent in forward passes
@@ -154,8 +158,10 @@ def run_load(
     texts = max(result.requests * load.inputs, 1)
     return LoadRun(
         result,
-        event_loop_ms=cpu.event_loops / texts * 1000,
-        other_ms=cpu.rest / texts * 1000,
+        frontend_loop_ms=cpu.frontend_loops / texts * 1000,
+        frontend_other_ms=cpu.frontend_other / texts * 1000,
+        engine_main_ms=cpu.engine_main / texts * 1000,
+        engine_other_ms=cpu.engine_other / texts * 1000,
         batch_inputs=batches.inputs / max(batches.count, 1),
         padding=batches.padding / max(batches.count, 1),
         busy=batches.seconds / (result.seconds * server.engines),
@@ -219,10 +225,14 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
             f"wrk used {best.client_cores:.2f} cores"
         )
         print(
-            f"    server CPU per text: event loop {best_run.event_loop_ms:.2f} ms, other "
-            f"threads {best_run.other_ms:.2f} ms; {best_run.batch_inputs:.1f} inputs per "
-            f"batch, {best_run.padding:.0%} padding; forward passes {best_run.busy:.0%} of the "
-            "time"
+            f"    server CPU per text: front ends' event loops {best_run.frontend_loop_ms:.2f} "
+            f"ms, their other threads {best_run.frontend_other_ms:.2f} ms; engines' main "
+            f"threads {best_run.engine_main_ms:.2f} ms, their other threads "
+            f"{best_run.engine_other_ms:.2f} ms"
+        )
+        print(
+            f"    {best_run.batch_inputs:.1f} inputs per batch, {best_run.padding:.0%} padding; "
+            f"forward passes {best_run.busy:.0%} of the time"
         )
         if errors:
             print(f"    first bad answer: {next(r.first_bad for r in runs if r.first_bad)}")

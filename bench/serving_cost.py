@@ -45,7 +45,7 @@ from tokenizers import Tokenizer
 
 from bench.side_by_side import checkout, turns
 from bench.workload import short_sentences
-from bench.wrk import WRK_CORE, Server, WrkResult, free_port, run_wrk
+from bench.wrk import ENGINE_NAME, WRK_CORE, Server, WrkResult, free_port, run_wrk
 from model.architectures import config_from_hf
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
 
@@ -53,7 +53,6 @@ RESULTS = Path(__file__).resolve().parent / "results" / "serving_cost.json"
 CONNECTIONS = 32
 WARM_UP_SECONDS = 2
 DIMENSION = 32
-ENGINE_NAME = "embed-engine"  # the name (/proc/PID/comm) of the split placement's engines
 # The forward passes' CPU time, not their duration: pinned to one core beside the front ends,
 # a pass's duration includes the time it waited for that core.
 FORWARD_SECONDS = "embed_forward_cpu_seconds_total"

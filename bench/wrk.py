@@ -25,6 +25,7 @@ import httpx
 
 SCRIPT = Path(__file__).resolve().parent / "lua" / "embed.lua"
 WRK_CORE = "0"
+ENGINE_NAME = "embed-engine"  # the name (/proc/PID/comm) of the split placement's engines
 
 
 @dataclass(frozen=True)
@@ -50,15 +51,28 @@ class WrkResult:
 
 @dataclass(frozen=True)
 class ServerCpu:
-    """CPU seconds the server's processes have used: their main threads, which run the event
-    loops (HTTP, validation, responses), and every other thread (the model's forward passes,
-    tokenization)."""
+    """CPU seconds the server's processes have used, by role and thread. The front ends'
+    (and an in-process server's) main threads run the event loops (HTTP, validation,
+    tokenization, responses); their other threads tokenize large requests (and, in process,
+    run the model). The engines' main threads read the front ends' submissions; their other
+    threads run the batches and answer them (spin-waits included)."""
 
-    event_loops: float
-    rest: float
+    frontend_loops: float
+    frontend_other: float
+    engine_main: float
+    engine_other: float
 
     def __sub__(self, earlier: ServerCpu) -> ServerCpu:
-        return ServerCpu(self.event_loops - earlier.event_loops, self.rest - earlier.rest)
+        return ServerCpu(
+            self.frontend_loops - earlier.frontend_loops,
+            self.frontend_other - earlier.frontend_other,
+            self.engine_main - earlier.engine_main,
+            self.engine_other - earlier.engine_other,
+        )
+
+    @property
+    def total(self) -> float:
+        return self.frontend_loops + self.frontend_other + self.engine_main + self.engine_other
 
 
 @dataclass(frozen=True)
@@ -145,21 +159,25 @@ class Server:
         return info
 
     def cpu(self) -> ServerCpu:
-        """Read from /proc: a thread's CPU is fields 14 and 15 (utime, stime) of its stat."""
+        """Read from /proc: a thread's CPU is fields 14 and 15 (utime, stime) of its stat; an
+        engine is a process named ENGINE_NAME (its comm)."""
         tick = os.sysconf("SC_CLK_TCK")
-        main = rest = 0.0
+        seconds = {(engine, main): 0.0 for engine in (False, True) for main in (False, True)}
         for pid in [self.process.pid, *children(self.process.pid)]:
+            try:
+                engine = Path(f"/proc/{pid}/comm").read_text().strip() == ENGINE_NAME
+            except OSError:  # exited meanwhile
+                continue
             for task in Path(f"/proc/{pid}/task").glob("*"):
                 try:
                     fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                except OSError:  # exited meanwhile
+                except OSError:
                     continue
-                seconds = (int(fields[11]) + int(fields[12])) / tick
-                if task.name == str(pid):
-                    main += seconds
-                else:
-                    rest += seconds
-        return ServerCpu(main, rest)
+                used = (int(fields[11]) + int(fields[12])) / tick
+                seconds[engine, task.name == str(pid)] += used
+        return ServerCpu(
+            seconds[False, True], seconds[False, False], seconds[True, True], seconds[True, False]
+        )
 
     def batches(self) -> Batches:
         return Batches.from_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)

@@ -163,6 +163,29 @@ def test_only_the_engines_import_torch(split: ServerProcess) -> None:
         assert not any(name.startswith("libtorch") for name in libraries_of(pid))
 
 
+def threads_of(pid: int) -> int:
+    return len(list(Path(f"/proc/{pid}/task").iterdir()))
+
+
+def test_front_ends_tokenize_a_batch_on_the_thread_that_asks(split: ServerProcess) -> None:
+    """No pool of tokenizers' own threads (one per CPU in every front end, spinning while
+    they wait): the setting is inherited from the supervisor, and a batch of texts small
+    enough for the event loop starts no thread."""
+    if os.environ.get("TOKENIZERS_PARALLELISM") not in (None, "false"):
+        pytest.skip("the operator's own TOKENIZERS_PARALLELISM is kept, by design")
+    frontends = frontends_of(split)
+    for pid in frontends:
+        assert b"TOKENIZERS_PARALLELISM=false" in Path(f"/proc/{pid}/environ").read_bytes()
+    before = {pid: threads_of(pid) for pid in frontends}
+    for _ in range(4):  # on fresh connections, so that both front ends get some
+        texts = [f"sentence number {n} of a batch" for n in range(64)]
+        reply = httpx.post(
+            f"{split.url}/embed", json={"inputs": texts}, headers={"Connection": "close"}
+        )
+        assert reply.status_code == 200 and len(reply.json()) == 64
+    assert {pid: threads_of(pid) for pid in frontends} == before
+
+
 def test_importing_a_front_end_imports_no_torch() -> None:
     code = (
         "import sys, app.__main__, app.supervisor, app.server, app.main, app.engine.remote; "
