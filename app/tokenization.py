@@ -31,7 +31,8 @@ TOKEN_ID_HINT = (
     "tiktoken ids unless check_embedding_ctx_length=False)"
 )
 
-# `tokenizers` reads it at every batch call: "false" keeps a batch on the calling thread.
+# Read by `tokenizers` when it first tokenizes a batch, so setting it at start-up is enough;
+# "false" keeps each batch on the calling thread.
 PARALLELISM_VARIABLE = "TOKENIZERS_PARALLELISM"
 
 Input = RawInput | TextPair

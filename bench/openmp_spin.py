@@ -50,19 +50,14 @@ class Figure:
 Round = dict[str, Figure]
 
 
-def cpu_seconds(server: Server) -> float:
-    cpu = server.cpu()
-    return cpu.total
-
-
 def back_to_back(server: Server, bodies: list[str], seconds: float) -> Figure:
-    before = cpu_seconds(server)
+    before = server.cpu().total
     result = run_wrk(
         server.url, bodies, connections=1, seconds=seconds, vectors=1, dimension=DIMENSION
     )
     if result.bad or result.socket_errors:
         raise SystemExit(f"bad responses: {result.first_bad}")
-    used = cpu_seconds(server) - before
+    used = server.cpu().total - before
     return Figure(result.p50_ms, used / result.requests * 1e3, result.requests)
 
 
@@ -70,7 +65,7 @@ def paced(server: Server, bodies: list[str], seconds: float, gap: float) -> Figu
     """One request every `gap` seconds, or as soon as the last one is answered if later."""
     latencies: list[float] = []
     with httpx.Client(base_url=server.url, timeout=30) as client:
-        before = cpu_seconds(server)
+        before = server.cpu().total
         due = time.perf_counter()
         end = due + seconds
         while due < end:
@@ -80,7 +75,7 @@ def paced(server: Server, bodies: list[str], seconds: float, gap: float) -> Figu
             client.post("/embed", content=body, headers=JSON).raise_for_status()
             latencies.append(time.perf_counter() - sent)
             due += gap
-        used = cpu_seconds(server) - before
+        used = server.cpu().total - before
     return Figure(statistics.median(latencies) * 1e3, used / len(latencies) * 1e3, len(latencies))
 
 

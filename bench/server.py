@@ -9,10 +9,11 @@ In one run, one process at a time, for each dtype:
    every response checked (status, vector count, dimension).
 Rounds alternate the two, each with a fresh server, and each figure keeps its best round:
 this machine's speed drifts by tens of percent from one minute to the next. Each server
-figure comes with its ratio to the ceiling, the server's peak RSS, where its CPU went (event
-loops against the other threads, per text), its batches (size, padding) and the share of the
-time its forward passes ran, which tell why a figure falls short of the ceiling; all is
-printed and written to bench/results/server.json.
+figure comes with its ratio to the ceiling, the server's peak RSS, where its CPU went (per
+text, by role: the front ends' event loops and other threads, the engines' main and other
+threads), its batches (size, padding) and the share of the time its forward passes ran,
+which tell why a figure falls short of the ceiling; all is printed and written to
+bench/results/server.json.
 Usage: python -m bench.server [--dtypes float32 bfloat16 int8] [--seconds 10] [--rounds 2]
                               [--device cpu|cuda] [--model-id ID] [--client-cores 0-3]
                               [-- SERVER FLAGS]

@@ -177,7 +177,9 @@ def test_front_ends_tokenize_a_batch_on_the_thread_that_asks(split: ServerProces
     for pid in frontends:
         assert b"TOKENIZERS_PARALLELISM=false" in Path(f"/proc/{pid}/environ").read_bytes()
     before = {pid: threads_of(pid) for pid in frontends}
-    for _ in range(4):  # on fresh connections, so that both front ends get some
+    # Each on a fresh connection, which the kernel gives to either front end by its hash:
+    # that one of the two gets none of 16 is a chance of 1 in 32,768.
+    for _ in range(16):
         texts = [f"sentence number {n} of a batch" for n in range(64)]
         reply = httpx.post(
             f"{split.url}/embed", json={"inputs": texts}, headers={"Connection": "close"}
