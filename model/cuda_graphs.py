@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +32,8 @@ GRAPH_MAX_TOKENS = 4096
 WARM_UP_RUNS = 2
 
 IntGrid = npt.NDArray[np.int64]
+# A pass's inputs in one buffer: on the host (numpy) or on the GPU (torch).
+Flat = TypeVar("Flat", IntGrid, Tensor)
 # (B, T) ids, (B, T) 1/0 mask, (B,) prompt lengths -> (B, dimensions) float32 vectors.
 PooledForward = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -43,17 +46,59 @@ def padded_batch(
 ) -> tuple[IntGrid, IntGrid, IntGrid]:
     """Right-padded (rows, width) ids and 1/0 mask, and (rows,) prompt lengths, for a batch of
     at most `rows` inputs of at most `width` tokens. Rows past the batch's hold one pad token."""
+    return inputs_in(padded_inputs(ids, prompt_lengths, shape, pad_id), shape)
+
+
+def padded_inputs(
+    ids: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    shape: tuple[int, int],
+    pad_id: int,
+) -> IntGrid:
+    """`padded_batch`'s arrays laid out in one flat buffer (`inputs_in`)."""
+    flat = np.empty(input_values(shape), dtype=np.int64)
+    write_padded(ids, prompt_lengths, pad_id, *inputs_in(flat, shape))
+    return flat
+
+
+def input_values(shape: tuple[int, int]) -> int:
+    """How many values a pass's inputs hold, laid out one after another (`inputs_in`)."""
     rows, width = shape
-    grid = np.full((rows, width), pad_id, dtype=np.int64)
-    mask = np.zeros((rows, width), dtype=np.int64)
-    if rows > len(ids):
-        mask[len(ids) :, 0] = 1
-    for row, sequence in enumerate(ids):
-        grid[row, : len(sequence)] = sequence
-        mask[row, : len(sequence)] = 1
-    prompts = np.zeros(rows, dtype=np.int64)
-    prompts[: len(prompt_lengths)] = prompt_lengths
-    return grid, mask, prompts
+    return 2 * rows * width + rows
+
+
+def inputs_in(flat: Flat, shape: tuple[int, int]) -> tuple[Flat, Flat, Flat]:
+    """The ids, the mask and the prompt lengths of a `shape` batch as views of one flat
+    buffer, so that a graph's inputs cross to the GPU in a single copy."""
+    rows, width = shape
+    cells = rows * width
+    grid = flat[:cells].reshape(rows, width)
+    mask = flat[cells : 2 * cells].reshape(rows, width)
+    return grid, mask, flat[2 * cells : 2 * cells + rows]
+
+
+def write_padded(
+    ids: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    pad_id: int,
+    grid: IntGrid,
+    mask: IntGrid,
+    prompts: IntGrid,
+) -> None:
+    """`padded_batch` into arrays that exist (whatever they held before)."""
+    count = len(ids)
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=count)
+    grid.fill(pad_id)
+    mask.fill(0)
+    real = np.arange(grid.shape[1]) < lengths[:, None]
+    # Row-major boolean indexing: the batch's ids, in order, land in their rows' first cells.
+    grid[:count][real] = np.fromiter(
+        itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum())
+    )
+    mask[:count][real] = 1
+    mask[count:, 0] = 1
+    prompts.fill(0)
+    prompts[:count] = prompt_lengths
 
 
 def bucket(batch: int, width: int, max_width: int) -> tuple[int, int] | None:
@@ -77,10 +122,41 @@ def all_buckets(max_width: int) -> list[tuple[int, int]]:
 @dataclass(frozen=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    ids: Tensor
-    mask: Tensor
-    prompts: Tensor
+    inputs: Tensor  # flat: ids, mask and prompt lengths (`inputs_in`), read by the replay
     vectors: Tensor
+
+
+class _Staging:
+    """Pinned host memory a pass's inputs are written into and copied to the GPU from, in
+    two slots taken in turn: the batch worker writes one batch's inputs while the pass before
+    still runs, whose copy may not have left the other slot yet. Pinned once: pinning per pass
+    cost more CPU than the rest of the launch."""
+
+    SLOTS = 2
+
+    def __init__(self, values: int) -> None:
+        self.host = [torch.empty(values, dtype=torch.int64).pin_memory() for _ in range(self.SLOTS)]
+        self.arrays: list[IntGrid] = [slot.numpy() for slot in self.host]
+        # Recorded on the stream behind each slot's last pass (its vectors' copy): once it has
+        # happened, that pass's copy from the slot has too. One event per slot, recorded again
+        # each time: creating and freeing one per pass each let go of the GIL.
+        self.passed = [torch.cuda.Event() for _ in range(self.SLOTS)]  # type: ignore[no-untyped-call]
+        self.turn = 0
+
+    def take(self) -> int:
+        """A slot free to write into: the one whose last pass is the older."""
+        slot = self.turn
+        self.turn = (slot + 1) % self.SLOTS
+        wait_for(self.passed[slot])
+        return slot
+
+
+def wait_for(event: torch.cuda.Event) -> None:
+    """Until the event has happened (at once if it never was recorded). Asks first:
+    `query` keeps the GIL, `synchronize` lets go of it, and getting it back can wait for as
+    long as the thread that took it meanwhile keeps it."""
+    if not event.query():  # type: ignore[no-untyped-call]
+        event.synchronize()
 
 
 class GraphedForward:
@@ -96,6 +172,10 @@ class GraphedForward:
         # One stream for every warm-up: the allocator keeps freed memory per stream, so a new
         # stream per capture would keep a cache of its own each.
         self._side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        # The stream passes run on, looked up once (a lookup per pass costs like a copy).
+        self._stream = torch.cuda.current_stream(device)
+        largest = max(input_values(shape) for shape in all_buckets(max_width))
+        self._staging = _Staging(largest)
 
     def bucket(self, batch: int, width: int) -> tuple[int, int] | None:
         return bucket(batch, width, self.max_width)
@@ -107,30 +187,42 @@ class GraphedForward:
             self._graph(shape)
         return len(self._graphs)
 
-    def __call__(self, ids: IntGrid, mask: IntGrid, prompts: IntGrid) -> Tensor:
-        """Vectors for inputs padded to a bucket's shape (`padded_batch`), on the GPU: the
-        graph's own output, overwritten by the next call's replay (queued on the current
-        stream: the call returns before the GPU has run it)."""
-        graph = self._graph((ids.shape[0], ids.shape[1]))
+    def launch(
+        self,
+        ids: Sequence[Sequence[int]],
+        prompt_lengths: Sequence[int],
+        shape: tuple[int, int],
+        pad_id: int,
+    ) -> tuple[Tensor, torch.cuda.Event]:
+        """Queue a batch's pass, padded to the bucket `shape`, and the copy of its vectors
+        into pinned CPU memory behind it; return before the GPU has run either. The vectors
+        are there once the event has happened (`wait_for`). The pass after next records the
+        same event again (after waiting for it): a wait begun after that ends later, never
+        sooner."""
+        graph = self._graph(shape)
+        slot = self._staging.take()
+        values = input_values(shape)
+        write_padded(ids, prompt_lengths, pad_id, *inputs_in(self._staging.arrays[slot], shape))
         # From pinned memory, queued on the stream: a copy from pageable memory would wait
         # for the GPU to finish the pass before it (the host thread blocked all the while).
-        for source, target in ((ids, graph.ids), (mask, graph.mask), (prompts, graph.prompts)):
-            target.copy_(torch.from_numpy(source).pin_memory(), non_blocking=True)
+        graph.inputs.copy_(self._staging.host[slot][:values], non_blocking=True)
         graph.graph.replay()
-        return graph.vectors
+        # The graph's own output is overwritten by the next replay: copied before it.
+        vectors = graph.vectors[: len(ids)].to("cpu", non_blocking=True)
+        arrived = self._staging.passed[slot]
+        arrived.record(self._stream)
+        return vectors, arrived
 
     def _graph(self, shape: tuple[int, int]) -> _Graph:
         if shape in self._graphs:
             return self._graphs[shape]
-        ids, mask, prompts = (
-            torch.from_numpy(array).to(self.device)
-            for array in padded_batch([], [], shape, pad_id=0)
-        )
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        inputs = torch.from_numpy(padded_inputs([], [], shape, pad_id=0)).to(self.device)
+        ids, mask, prompts = inputs_in(inputs, shape)
+        self._side.wait_stream(self._stream)
         with torch.cuda.stream(self._side):
             for _ in range(WARM_UP_RUNS):
                 self.forward(ids, mask, prompts)
-        torch.cuda.current_stream(self.device).wait_stream(self._side)
+        self._stream.wait_stream(self._side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
@@ -140,5 +232,5 @@ class GraphedForward:
                 f"capturing the CUDA graph of a {shape[0]} x {shape[1]} batch failed ({exc}); "
                 "start with --no-cuda-graphs (EMBED_CUDA_GRAPHS=false) to run eagerly"
             ) from exc
-        self._graphs[shape] = _Graph(graph, ids, mask, prompts, vectors)
+        self._graphs[shape] = _Graph(graph, inputs, vectors)
         return self._graphs[shape]

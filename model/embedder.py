@@ -13,7 +13,7 @@ from torch import Tensor
 from model.architectures import Encoder
 from model.attention import MapRequest
 from model.codec import TextCodec
-from model.cuda_graphs import GraphedForward, IntGrid, padded_batch
+from model.cuda_graphs import GraphedForward, IntGrid, padded_batch, wait_for
 from model.device import DtypeChoice, cpu_flags, resolve_device, resolve_dtype
 from model.heads import Head
 from model.info import AttentionSpec, ModelInfo
@@ -64,7 +64,7 @@ class OnItsWay:
         self._arrived = arrived
 
     def result(self) -> BatchOutput:
-        self._arrived.synchronize()
+        wait_for(self._arrived)
         return BatchOutput(self._pooled, None, None)
 
 
@@ -210,13 +210,7 @@ class Embedder:
         shape = self.graph_shape(batch, token_embeddings=token_embeddings, attention=attention)
         if self.graphs is not None and shape is not None:
             with torch.inference_mode():
-                vectors = self.graphs(*padded_batch(ids, prompts, shape, pad_id))
-                # Into pinned memory, queued behind the replay: the graph's output is copied
-                # before the next replay overwrites it.
-                pooled = vectors[: len(ids)].to("cpu", non_blocking=True)
-                arrived = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                arrived.record()
-                return OnItsWay(pooled, arrived)
+                return OnItsWay(*self.graphs.launch(ids, prompts, shape, pad_id))
         lengths = np.array([len(row) for row in ids], dtype=np.int64)
         width = int(lengths.max(initial=0))
         type_ids = _token_types(batch, width) if self._takes_types(batch) else None

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from model import Embedder
-from model.cuda_graphs import GRAPH_MAX_TOKENS, all_buckets, bucket, padded_batch
+from model.cuda_graphs import (
+    GRAPH_MAX_TOKENS,
+    all_buckets,
+    bucket,
+    input_values,
+    inputs_in,
+    padded_batch,
+    write_padded,
+)
 
 TEXTS = ["hello", "a longer sentence of several words, and a comma", ""]
 
@@ -41,6 +50,21 @@ def test_padding_rows_hold_one_token_and_columns_are_masked() -> None:
     assert grid[0, :4].tolist() == [5, 6, 7, 0] and grid[1, :2].tolist() == [8, 0]
     assert mask.sum(axis=1).tolist() == [3, 1, 1, 1]  # the extra rows: one pad token each
     assert (grid[2:] == 0).all()
+
+
+def test_a_reused_buffer_holds_only_the_latest_batch() -> None:
+    """A graph's inputs are written into pinned buffers that earlier, larger batches filled:
+    what is left is exactly what a fresh buffer gets, and the three arrays share the one
+    buffer (one copy to the GPU)."""
+    flat = np.empty(input_values((4, 32)), dtype=np.int64)
+    write_padded([[9] * 30, [9] * 20, [9] * 10, [9]], [3, 2, 1, 1], 7, *inputs_in(flat, (4, 32)))
+    latest = ([[5, 6, 7], [], [8]], [1, 0, 0])
+    arrays = inputs_in(flat[: input_values((4, 8))], (4, 8))
+    write_padded(*latest, 0, *arrays)
+    for reused, fresh in zip(arrays, padded_batch(*latest, (4, 8), pad_id=0), strict=True):
+        assert np.shares_memory(reused, flat)
+        assert reused.tolist() == fresh.tolist()
+    assert arrays[1].sum(axis=1).tolist() == [3, 0, 1, 1]  # an empty input stays empty
 
 
 def test_padding_to_a_bucket_leaves_the_real_rows_alone(tiny_embedder: Embedder) -> None:
