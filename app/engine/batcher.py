@@ -47,6 +47,8 @@ WINDOW_FACTOR = 4
 QUIET_GAP = 0.002
 # Weight of the past in the seconds-per-token estimate, per batch.
 ESTIMATE_DECAY = 0.9
+# Longest an idle worker reading its own arrivals waits before it looks for a stop.
+IDLE_POLL = 0.1
 
 
 @dataclass(eq=False, slots=True)
@@ -124,6 +126,9 @@ NO_OUTPUT = Wants(pooled=False)
 Delivery = tuple[Ticket, Outcome | ServiceError]
 # Called on the worker thread once per batch with every request the batch finished.
 Deliver = Callable[[list[Delivery]], None]
+# Reads what has arrived and submits it, waiting up to the seconds given for something to
+# arrive (0: only what is there); called on the worker thread (see `Batcher.take_from`).
+Intake = Callable[[float], None]
 
 
 def _requests_in(items: Sequence[WorkItem]) -> int:
@@ -161,6 +166,7 @@ class Batcher:
         self.batch_wait = batch_wait
         self.cores = cores
         self._publish_state: Callable[[int, float], None] | None = None
+        self._intake: Intake | None = None
         # How many requests the last batch served: their clients come back within
         # milliseconds of their answers, so the wait for a fuller batch expects that many. A
         # lone client sends its next request only after its answer, so a wait for company
@@ -226,6 +232,16 @@ class Batcher:
         with self._condition:
             self._publish_state = publish
             self._publish_busy()
+
+    def take_from(self, intake: Intake) -> None:
+        """Read arrivals on the worker thread, by calling `intake`, instead of having other
+        threads submit them: before each batch is chosen, and whenever the worker waits. An
+        engine of its own process reads its front ends' sockets so: with a second thread
+        reading them, the two passed the GIL back and forth several times a batch, and each
+        pass could wait for as long as the other held it."""
+        with self._condition:
+            self._intake = intake
+            self._condition.notify()
 
     @property
     def idle(self) -> bool:
@@ -347,6 +363,8 @@ class Batcher:
     def _next_batch(self, wait: bool = True) -> list[WorkItem] | None:
         """The next batch; None once stopping, and an empty one when the queue is empty and
         `wait` is off (a batch is still running: it comes first)."""
+        if self._intake is not None:
+            self._intake(0)
         with self._condition:
             while not self._stopping:
                 if not self._queue:
@@ -355,7 +373,7 @@ class Batcher:
                     # Quiet (the last pass answered, or its inputs dropped or failed): what
                     # the tally holds is written before the wait, however long it is.
                     self._tally.flush()
-                    self._condition.wait()
+                    self._await_arrivals(None)
                     continue
                 if wait:  # with a pass still running, what has come goes next
                     self._wait_for_fuller_batch()
@@ -402,9 +420,21 @@ class Batcher:
                 quiet_at = max(self._queue[-1].ticket.enqueued_at, started) + QUIET_GAP
                 if now >= min(deadline, quiet_at):
                     return
-                self._condition.wait(min(deadline, quiet_at) - now)
+                self._await_arrivals(min(deadline, quiet_at) - now)
         finally:
             self._gathering = False
+
+    def _await_arrivals(self, timeout: float | None) -> None:
+        """Until inputs arrive, or up to `timeout` seconds (None: no limit but a stop). Called
+        with the lock held, once; like a condition's wait, lets go of it meanwhile."""
+        if self._intake is None:
+            self._condition.wait(timeout)
+            return
+        self._condition.release()
+        try:
+            self._intake(IDLE_POLL if timeout is None else timeout)
+        finally:
+            self._condition.acquire()
 
     def _gathered(self) -> bool:
         """The wait for a fuller batch is over: the batch is full, or as many requests wait

@@ -1,10 +1,11 @@
 """An engine in a process of its own: the model, its queue, and a Unix socket that every
 front end connects to. No HTTP.
 
-The main thread accepts the front ends' connections and reads their submissions and aborts;
-the compute thread runs the batches and writes each finished request's reply to its front
-end itself (a lock per connection keeps the two threads' messages whole). SIGTERM, which the
-supervisor sends once every front end has exited: finish what is queued, then exit 0.
+One thread does all the work: the compute thread accepts the front ends' connections, reads
+their submissions and aborts between batches and while it waits (`Batcher.take_from`), runs
+the batches, and writes each finished request's reply to its front end. The main thread
+only watches: for SIGTERM, which the supervisor sends once every front end has exited (finish
+what is queued, then exit 0), and for a batch worker that has stopped (exit 1).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import select
 import selectors
 import signal
 import socket
-import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -42,33 +42,32 @@ from model.shared_weights import WeightStore
 
 log = logging.getLogger(__name__)
 
-# How often the main thread looks up from its sockets (for a stop signal, a dead worker).
+# How often the main thread looks for a stop signal or a dead worker.
 POLL_SECONDS = 0.1
 # Room in the kernel for replies a front end has not read yet, before a writer waits.
 SEND_BUFFER = 4 << 20
 
 
 class FrontEnd:
-    """One front end's connection: its bytes cut into messages, and its writes kept whole."""
+    """One front end's connection: its bytes cut into messages."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.frames = Frames()
-        self.lock = threading.Lock()
         self.gone = False
 
     def write(self, message: bytes) -> None:
-        """From either thread; waits while the front end's side is full. A front end that
-        has gone takes nothing more (its requests are abandoned by the main thread)."""
-        with self.lock:
-            view = memoryview(message)
-            while view and not self.gone:
-                try:
-                    view = view[self.sock.send(view) :]
-                except BlockingIOError:
-                    self._wait_for_room()
-                except OSError:
-                    self.gone = True
+        """Waits while the front end's side is full (its event loop reads it whatever its
+        clients do). A front end that has gone takes nothing more (its requests are
+        abandoned when its connection is read as closed)."""
+        view = memoryview(message)
+        while view and not self.gone:
+            try:
+                view = view[self.sock.send(view) :]
+            except BlockingIOError:
+                self._wait_for_room()
+            except OSError:
+                self.gone = True
 
     def _wait_for_room(self) -> None:
         try:
@@ -77,10 +76,9 @@ class FrontEnd:
             self.gone = True
 
     def close(self) -> None:
-        """Once the front end has gone; after any write in progress."""
-        with self.lock:
-            self.gone = True
-            self.sock.close()
+        """Once the front end has gone."""
+        self.gone = True
+        self.sock.close()
 
 
 # A request's inputs in the queue, by its front end and the front end's number for it.
@@ -108,6 +106,9 @@ class EngineProcess:
         )
         self.tickets: dict[Key, Ticket] = {}
         self.stopping = False
+        # The listener and every front end's connection, read by the compute thread.
+        self.selector = selectors.DefaultSelector()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 
     def run(self, ready: Connection) -> int:
         try:
@@ -116,53 +117,57 @@ class EngineProcess:
             log.error("engine %d failed to start", self.index, exc_info=exc)
             ready.send(("error", f"{type(exc).__name__}: {exc}"))
             return 1
-        assert self.model.batcher is not None, "loaded"
-        self.model.batcher.publish_to(
-            lambda backlog, pace: self.board.publish(self.index, backlog, pace)
-        )
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.path))
-        listener.listen()
-        listener.setblocking(False)
+        batcher = self.model.batcher
+        assert batcher is not None, "loaded"
+        batcher.publish_to(lambda backlog, pace: self.board.publish(self.index, backlog, pace))
+        self.listener.bind(str(self.path))
+        self.listener.listen()
+        self.listener.setblocking(False)
+        self.selector.register(self.listener, selectors.EVENT_READ)
         gc.collect()
         gc.freeze()  # see app/service.py: start-up's objects out of the collector's sight
         for stop in (signal.SIGTERM, signal.SIGINT):
             signal.signal(stop, self._stop)
+        batcher.take_from(self._intake)
         ready.send(("ready", card))
         ready.close()
-        with selectors.DefaultSelector() as selector:
-            selector.register(listener, selectors.EVENT_READ)
-            code = self._serve(selector, listener)
+        code = self._watch()
         self._drain()
-        listener.close()
+        self.selector.close()
+        self.listener.close()
         return code
 
     def _stop(self, sig: int, frame: FrameType | None) -> None:
         self.stopping = True
 
-    def _serve(self, selector: selectors.BaseSelector, listener: socket.socket) -> int:
+    def _watch(self) -> int:
         while not self.stopping:
-            for key, _ in selector.select(POLL_SECONDS):
-                if key.fileobj is listener:
-                    self._accept(selector, listener)
-                else:
-                    self._read(selector, key.data)
+            time.sleep(POLL_SECONDS)
             if not self.model.alive:
                 log.critical("engine %d: the batch worker has stopped", self.index)
                 return 1
         return 0
 
-    def _accept(self, selector: selectors.BaseSelector, listener: socket.socket) -> None:
+    def _intake(self, timeout: float) -> None:
+        """On the compute thread: accept and read whatever is ready, waiting up to `timeout`
+        seconds for something to be."""
+        for key, _ in self.selector.select(timeout):
+            if key.fileobj is self.listener:
+                self._accept()
+            else:
+                self._read(key.data)
+
+    def _accept(self) -> None:
         try:
-            sock, _ = listener.accept()
+            sock, _ = self.listener.accept()
         except OSError:  # the front end gave up meanwhile, or no descriptor is left
             log.warning("engine %d: a front end's connection failed", self.index, exc_info=True)
             return
         sock.setblocking(False)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
-        selector.register(sock, selectors.EVENT_READ, FrontEnd(sock))
+        self.selector.register(sock, selectors.EVENT_READ, FrontEnd(sock))
 
-    def _read(self, selector: selectors.BaseSelector, frontend: FrontEnd) -> None:
+    def _read(self, frontend: FrontEnd) -> None:
         try:
             data = frontend.sock.recv(1 << 20)
         except BlockingIOError:
@@ -170,13 +175,10 @@ class EngineProcess:
         except OSError:
             data = b""
         if not data:  # the front end has gone: nobody waits for its requests
-            selector.unregister(frontend.sock)
+            self.selector.unregister(frontend.sock)
             frontend.close()
-            # The compute thread pops tickets meanwhile: iterate over a copy (taken at once,
-            # under the GIL), and take each one only if it is still there.
-            for key in list(self.tickets):
-                if key[0] is frontend and (ticket := self.tickets.pop(key, None)) is not None:
-                    ticket.abandoned = True
+            for key in [key for key in self.tickets if key[0] is frontend]:
+                self.tickets.pop(key).abandoned = True
             return
         arrived: list[tuple[Ticket, float | None]] = []
         for raw in frontend.frames.feed(data):
@@ -206,8 +208,7 @@ class EngineProcess:
             frontend.write(b"".join(failures))
 
     def _deliver(self, deliveries: list[Delivery]) -> None:
-        """On the compute thread: the batch's replies, written from here, one write per
-        front end."""
+        """The batch's replies, one write per front end."""
         replies: dict[FrontEnd, list[bytes]] = {}
         for ticket, outcome in deliveries:
             key: Key = ticket.reply_to  # type: ignore[assignment]

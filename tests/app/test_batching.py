@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
+import queue
 import threading
 import time
 from pathlib import Path
@@ -446,6 +448,45 @@ def test_the_quiet_gap_counts_from_the_last_arrival_or_from_the_wait_s_start(
         with batcher._condition:
             batcher._wait_for_fuller_batch()
         assert at_least - 0.05 <= time.perf_counter() - started < 10
+
+
+def test_a_worker_that_reads_its_own_arrivals_batches_them_and_sees_a_stop(
+    tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine process's worker reads its front ends itself (`Batcher.take_from`): every
+    read runs on the worker's thread, what a read brings during the wait for a fuller batch
+    joins that batch, and an idle worker, waiting in its reads, still sees a stop."""
+    from app.engine import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "QUIET_GAP", 30.0)  # the wait ends only when full
+    batcher = make_batcher(tiny_embedder, max_batch_inputs=2, batch_wait=30.0)
+    batcher._last_clients = 2  # as after a batch that served two clients
+    first, second = make_items([3, 4])
+    arrivals: queue.SimpleQueue[Ticket] = queue.SimpleQueue()
+    for item in (first, second):
+        arrivals.put(item.ticket)
+    readers: set[int | None] = set()
+    waits: list[float] = []
+
+    def intake(timeout: float) -> None:
+        readers.add(threading.get_ident())
+        waits.append(timeout)
+        with contextlib.suppress(queue.Empty):
+            batcher.submit(arrivals.get(timeout=timeout) if timeout else arrivals.get_nowait())
+
+    batcher.take_from(intake)
+    chosen: list[list[WorkItem] | None] = []
+    for stop in (False, True):  # the batch; then an empty queue, until the stop
+        worker = threading.Thread(target=lambda: chosen.append(batcher._next_batch()))
+        worker.start()
+        if stop:
+            time.sleep(0.3)
+            batcher.stop()
+        worker.join(timeout=10)
+        assert readers == {worker.ident}
+        readers.clear()
+    assert chosen == [[first, second], None]
+    assert batcher_module.IDLE_POLL in waits  # idle: reads with a bounded wait
 
 
 def passes_on(batcher: Batcher, threads: int) -> float:

@@ -1,5 +1,5 @@
-"""The engine process's main thread, with a stand-in for its model: what one read from a
-front end may hold, and a front end that goes away."""
+"""The engine process's reading of its front ends, with a stand-in for its model: what one
+read from a front end may hold, and a front end that goes away."""
 
 from __future__ import annotations
 
@@ -49,8 +49,11 @@ def engine() -> Iterator[tuple[EngineProcess, socket.socket, FrontEnd]]:
     process.model = SimpleNamespace(batcher=RefusingBatcher())  # type: ignore[assignment]
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     theirs.setblocking(False)
-    with ours, theirs:
-        yield process, ours, FrontEnd(theirs)
+    frontend = FrontEnd(theirs)
+    process.selector = selectors.DefaultSelector()
+    process.selector.register(theirs, selectors.EVENT_READ, frontend)
+    with ours, theirs, process.selector:
+        yield process, ours, frontend
 
 
 def submit(request: int) -> bytes:
@@ -84,7 +87,7 @@ def test_a_refused_request_gets_its_429(
 ) -> None:
     process, ours, frontend = engine
     ours.sendall(submit(7))
-    process._read(selector_for(frontend), frontend)
+    process._read(frontend)
     [message] = Frames().feed(ours.recv(65536))
     reply = reply_decoder.decode(message)
     assert reply.request == 7 and reply.failure is not None
@@ -97,7 +100,7 @@ def test_a_request_aborted_in_the_same_read_is_refused_without_a_word(
 ) -> None:
     process, ours, frontend = engine
     ours.sendall(submit(7) + framed(Abort(7)))
-    process._read(selector_for(frontend), frontend)  # no KeyError
+    process._read(frontend)  # no KeyError
     ours.setblocking(False)
     with pytest.raises(BlockingIOError):
         ours.recv(65536)  # nothing to say: nobody waits for it
@@ -111,12 +114,6 @@ def test_a_front_end_that_goes_away_abandons_its_requests(
     ticket = Ticket([Encoded([2, 3], [], None, [], False)], Wants(), time.perf_counter(), None)
     process.tickets[(frontend, 1)] = ticket
     ours.close()
-    process._read(selector_for(frontend), frontend)
+    process._read(frontend)
     assert ticket.abandoned and process.tickets == {} and frontend.gone
     frontend.write(b"more")  # a late reply goes nowhere, and raises nothing
-
-
-def selector_for(frontend: FrontEnd) -> selectors.BaseSelector:
-    selector = selectors.DefaultSelector()
-    selector.register(frontend.sock, selectors.EVENT_READ, frontend)
-    return selector
