@@ -119,36 +119,28 @@ def all_buckets(max_width: int) -> list[tuple[int, int]]:
     return sorted(kept, key=lambda shape: shape[0] * shape[1], reverse=True)
 
 
+# Pinned buffers per graph: the batch worker writes one batch's inputs while the pass before
+# still runs, whose copy may not have left its buffer yet.
+SLOTS = 2
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """Pinned host memory laid out as a graph's inputs (`inputs_in`), and its three arrays."""
+
+    host: Tensor
+    arrays: tuple[IntGrid, IntGrid, IntGrid]
+
+
 @dataclass(frozen=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: Tensor  # flat: ids, mask and prompt lengths (`inputs_in`), read by the replay
+    inputs: Tensor  # on the GPU, flat: ids, mask and prompt lengths, read by the replay
     vectors: Tensor
-
-
-class _Staging:
-    """Pinned host memory a pass's inputs are written into and copied to the GPU from, in
-    two slots taken in turn: the batch worker writes one batch's inputs while the pass before
-    still runs, whose copy may not have left the other slot yet. Pinned once: pinning per pass
-    cost more CPU than the rest of the launch."""
-
-    SLOTS = 2
-
-    def __init__(self, values: int) -> None:
-        self.host = [torch.empty(values, dtype=torch.int64).pin_memory() for _ in range(self.SLOTS)]
-        self.arrays: list[IntGrid] = [slot.numpy() for slot in self.host]
-        # Recorded on the stream behind each slot's last pass (its vectors' copy): once it has
-        # happened, that pass's copy from the slot has too. One event per slot, recorded again
-        # each time: creating and freeing one per pass each let go of the GIL.
-        self.passed = [torch.cuda.Event() for _ in range(self.SLOTS)]  # type: ignore[no-untyped-call]
-        self.turn = 0
-
-    def take(self) -> int:
-        """A slot free to write into: the one whose last pass is the older."""
-        slot = self.turn
-        self.turn = (slot + 1) % self.SLOTS
-        wait_for(self.passed[slot])
-        return slot
+    # Views made once (a slice costs a pass about what the copy it feeds does): the first n
+    # rows of `vectors`, by n; and the inputs' pinned buffers, by slot.
+    rows: tuple[Tensor, ...]
+    staged: tuple[_Staged, ...]
 
 
 def wait_for(event: torch.cuda.Event) -> None:
@@ -174,8 +166,12 @@ class GraphedForward:
         self._side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         # The stream passes run on, looked up once (a lookup per pass costs like a copy).
         self._stream = torch.cuda.current_stream(device)
-        largest = max(input_values(shape) for shape in all_buckets(max_width))
-        self._staging = _Staging(largest)
+        # Slots are taken in turn, whatever the graph. Recorded behind each slot's last pass
+        # (its vectors' copy): once it has happened, so has every earlier pass's copy from a
+        # buffer of that slot. One event per slot, recorded again each time: creating and
+        # freeing one per pass each let go of the GIL.
+        self._passed = [torch.cuda.Event() for _ in range(SLOTS)]  # type: ignore[no-untyped-call]
+        self._turn = 0
 
     def bucket(self, batch: int, width: int) -> tuple[int, int] | None:
         return bucket(batch, width, self.max_width)
@@ -200,16 +196,18 @@ class GraphedForward:
         same event again (after waiting for it): a wait begun after that ends later, never
         sooner."""
         graph = self._graph(shape)
-        slot = self._staging.take()
-        values = input_values(shape)
-        write_padded(ids, prompt_lengths, pad_id, *inputs_in(self._staging.arrays[slot], shape))
+        slot = self._turn
+        self._turn = (slot + 1) % SLOTS
+        arrived = self._passed[slot]
+        wait_for(arrived)  # the slot's last pass: answered already, as a rule
+        staged = graph.staged[slot]
+        write_padded(ids, prompt_lengths, pad_id, *staged.arrays)
         # From pinned memory, queued on the stream: a copy from pageable memory would wait
         # for the GPU to finish the pass before it (the host thread blocked all the while).
-        graph.inputs.copy_(self._staging.host[slot][:values], non_blocking=True)
+        graph.inputs.copy_(staged.host, non_blocking=True)
         graph.graph.replay()
         # The graph's own output is overwritten by the next replay: copied before it.
-        vectors = graph.vectors[: len(ids)].to("cpu", non_blocking=True)
-        arrived = self._staging.passed[slot]
+        vectors = graph.rows[len(ids)].to("cpu", non_blocking=True)
         arrived.record(self._stream)
         return vectors, arrived
 
@@ -232,5 +230,10 @@ class GraphedForward:
                 f"capturing the CUDA graph of a {shape[0]} x {shape[1]} batch failed ({exc}); "
                 "start with --no-cuda-graphs (EMBED_CUDA_GRAPHS=false) to run eagerly"
             ) from exc
-        self._graphs[shape] = _Graph(graph, inputs, vectors)
+        staged = []
+        for _ in range(SLOTS):
+            host = torch.empty_like(inputs, device="cpu").pin_memory()
+            staged.append(_Staged(host, inputs_in(host.numpy(), shape)))
+        rows = tuple(vectors[:count] for count in range(shape[0] + 1))
+        self._graphs[shape] = _Graph(graph, inputs, vectors, rows, tuple(staged))
         return self._graphs[shape]

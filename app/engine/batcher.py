@@ -505,7 +505,7 @@ class Batcher:
         self._tally.observe(self.metrics.inference_seconds, seconds)
         cpu = launched.cpu_seconds + time.thread_time() - cpu_started
         self._tally.count(self.metrics.forward_cpu_seconds, cpu)
-        if not self._queue:  # quiet: the metrics are exact before the answers go out
+        if self.idle:  # quiet: the metrics are exact before the answers go out
             self._tally.flush()
         self._deliver_finished(launched.batch, output, now - seconds, seconds)
 

@@ -19,6 +19,10 @@ def finish_vectors(pooled: FloatArray, wants: Sequence[Wants]) -> list[Output | 
     for row, wanted in enumerate(wants):
         if wanted.pooled:
             groups.setdefault((wanted.normalize, wanted.dimensions), []).append(row)
+    if len(groups) == 1:
+        [((normalize, dimensions), rows)] = groups.items()
+        if len(rows) == len(wants):  # the common batch: every row alike, one call in all
+            return list(finish(pooled, normalize, dimensions))
     done: list[Output | None] = [None] * len(wants)
     for (normalize, dimensions), rows in groups.items():
         for row, vector in zip(rows, finish(pooled[rows], normalize, dimensions), strict=True):

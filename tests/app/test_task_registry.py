@@ -62,6 +62,12 @@ def test_finishing_follows_each_inputs_wants() -> None:
     first, second, third = (ItemResult(output) for output in finish_vectors(pooled, wants))
     assert np.allclose(first.vector, [0.6, 0.8, 0.0]) and np.allclose(second.vector, [0.0, 2.0])
     assert third.output is None
+    # Every row alike: the whole batch in one call; the rows are copies, not views of the pass
+    alike = [
+        ItemResult(output).vector for output in finish_vectors(pooled, [Wants(dimensions=2)] * 3)
+    ]
+    assert np.allclose(alike, [[0.6, 0.8], [0.0, 1.0], [1.0, 0.0]])
+    assert not any(np.shares_memory(vector, pooled) for vector in alike)
     first, second, third = (ItemResult(output) for output in finish_logits(pooled, wants))
     assert np.array_equal(second.vector, pooled[1]) and third.output is None
     first, _, third = (ItemResult(output) for output in finish_sparse(pooled, wants))
