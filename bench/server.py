@@ -10,10 +10,9 @@ In one run, one process at a time, for each dtype:
 Rounds alternate the two, each with a fresh server, and each figure keeps its best round:
 this machine's speed drifts by tens of percent from one minute to the next. Each server
 figure comes with its ratio to the ceiling, the server's peak RSS, where its CPU went (per
-text, by role: the front ends' event loops and other threads, the engines' main and other
-threads), its batches (size, padding) and the share of the time its forward passes ran,
-which tell why a figure falls short of the ceiling; all is printed and written to
-bench/results/server.json.
+text, by role: the front ends' event loops and other threads, the engines), its batches
+(size, padding) and the share of the time its forward passes ran, which tell why a figure
+falls short of the ceiling; all is printed and written to bench/results/server.json.
 Usage: python -m bench.server [--dtypes float32 bfloat16 int8] [--seconds 10] [--rounds 2]
                               [--device cpu|cuda] [--model-id ID] [--client-cores 0-3]
                               [-- SERVER FLAGS]
@@ -125,11 +124,10 @@ def bodies(load: Load) -> list[str]:
 class LoadRun:
     wrk: WrkResult
     # CPU per text (bench/wrk.py's ServerCpu): the front ends' event loops and other threads,
-    # the engines' main threads (reading submissions) and other threads (the batches).
+    # and the engines.
     frontend_loop_ms: float
     frontend_other_ms: float
-    engine_main_ms: float
-    engine_other_ms: float
+    engine_ms: float
     batch_inputs: float  # mean inputs per forward pass
     padding: float  # mean padded share of a forward pass's tokens
     busy: float  # share of the run each worker spent in forward passes
@@ -161,8 +159,7 @@ def run_load(
         result,
         frontend_loop_ms=cpu.frontend_loops / texts * 1000,
         frontend_other_ms=cpu.frontend_other / texts * 1000,
-        engine_main_ms=cpu.engine_main / texts * 1000,
-        engine_other_ms=cpu.engine_other / texts * 1000,
+        engine_ms=cpu.engines / texts * 1000,
         batch_inputs=batches.inputs / max(batches.count, 1),
         padding=batches.padding / max(batches.count, 1),
         busy=batches.seconds / (result.seconds * server.engines),
@@ -227,9 +224,8 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
         )
         print(
             f"    server CPU per text: front ends' event loops {best_run.frontend_loop_ms:.2f} "
-            f"ms, their other threads {best_run.frontend_other_ms:.2f} ms; engines' main "
-            f"threads {best_run.engine_main_ms:.2f} ms, their other threads "
-            f"{best_run.engine_other_ms:.2f} ms"
+            f"ms, their other threads {best_run.frontend_other_ms:.2f} ms; engines "
+            f"{best_run.engine_ms:.2f} ms"
         )
         print(
             f"    {best_run.batch_inputs:.1f} inputs per batch, {best_run.padding:.0%} padding; "

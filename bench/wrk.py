@@ -54,25 +54,23 @@ class ServerCpu:
     """CPU seconds the server's processes have used, by role and thread. The front ends'
     (and an in-process server's) main threads run the event loops (HTTP, validation,
     tokenization, responses); their other threads tokenize large requests (and, in process,
-    run the model). The engines' main threads read the front ends' submissions; their other
-    threads run the batches and answer them (spin-waits included)."""
+    run the model). The engines' processes read the front ends' submissions, run the batches
+    and answer them (spin-waits included), all on one thread (app/engine/process.py)."""
 
     frontend_loops: float
     frontend_other: float
-    engine_main: float
-    engine_other: float
+    engines: float
 
     def __sub__(self, earlier: ServerCpu) -> ServerCpu:
         return ServerCpu(
             self.frontend_loops - earlier.frontend_loops,
             self.frontend_other - earlier.frontend_other,
-            self.engine_main - earlier.engine_main,
-            self.engine_other - earlier.engine_other,
+            self.engines - earlier.engines,
         )
 
     @property
     def total(self) -> float:
-        return self.frontend_loops + self.frontend_other + self.engine_main + self.engine_other
+        return self.frontend_loops + self.frontend_other + self.engines
 
 
 @dataclass(frozen=True)
@@ -176,7 +174,7 @@ class Server:
                 used = (int(fields[11]) + int(fields[12])) / tick
                 seconds[engine, task.name == str(pid)] += used
         return ServerCpu(
-            seconds[False, True], seconds[False, False], seconds[True, True], seconds[True, False]
+            seconds[False, True], seconds[False, False], seconds[True, True] + seconds[True, False]
         )
 
     def batches(self) -> Batches:

@@ -36,9 +36,10 @@ GPU_SWITCH_INTERVAL = 0.0005
 
 def share_the_gil(device: str) -> None:
     """On a GPU the compute thread seldom waits (the next pass is launched while the last one
-    runs) and seldom lets go of the GIL for long; a thread waiting for the GIL (the one that
-    reads the front ends' requests, or the event loop) asks for it only after the switch
-    interval. On a CPU every pass lets it go."""
+    runs) and seldom lets go of the GIL for long; a thread waiting for the GIL (in process,
+    the event loop) asks for it only after the switch interval. On a CPU every pass lets it
+    go. (An engine of its own process has no such thread: its compute thread reads the front
+    ends itself, app/engine/process.py.)"""
     if device.startswith("cuda"):
         sys.setswitchinterval(GPU_SWITCH_INTERVAL)
 
