@@ -5,11 +5,11 @@ prometheus_client writes every `inc` and `observe` under a lock and, under the s
 placement, into a shared file: eleven writes for a one-input request, about a tenth of the
 split server's CPU per request (`python -m bench.serving_cost`; docs/benchmarks.md). What is held is
 written when its owner goes quiet (the event loop with no HTTP request or gRPC call left in
-progress, a batch worker about to wait for work, and before it answers a batch that left its queue
-empty: a quiet server's metrics are exact), the event loop's when its process renders the
-metrics, and otherwise `interval` seconds after the first figure held (by a timer on the
-event loop, or by the first figure after that on a thread without one): under load a scrape
-shows a process's figures as they were about that long ago.
+progress, a batch worker about to wait for work, and before it answers a batch that left it
+idle, nothing queued or running: a quiet server's metrics are exact), the event loop's when
+its process renders the metrics, and otherwise `interval` seconds after the first figure
+held (by a timer on the event loop, or by the first figure after that on a thread without
+one): under load a scrape shows a process's figures as they were about that long ago.
 
 A tally belongs to one thread: the event loop's (the HTTP and gRPC paths) or a batch
 worker's (its passes).

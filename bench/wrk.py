@@ -160,7 +160,7 @@ class Server:
         """Read from /proc: a thread's CPU is fields 14 and 15 (utime, stime) of its stat; an
         engine is a process named ENGINE_NAME (its comm)."""
         tick = os.sysconf("SC_CLK_TCK")
-        seconds = {(engine, main): 0.0 for engine in (False, True) for main in (False, True)}
+        seconds = {"loops": 0.0, "other": 0.0, "engines": 0.0}
         for pid in [self.process.pid, *children(self.process.pid)]:
             try:
                 engine = Path(f"/proc/{pid}/comm").read_text().strip() == ENGINE_NAME
@@ -171,11 +171,9 @@ class Server:
                     fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
                 except OSError:
                     continue
-                used = (int(fields[11]) + int(fields[12])) / tick
-                seconds[engine, task.name == str(pid)] += used
-        return ServerCpu(
-            seconds[False, True], seconds[False, False], seconds[True, True] + seconds[True, False]
-        )
+                role = "engines" if engine else "loops" if task.name == str(pid) else "other"
+                seconds[role] += (int(fields[11]) + int(fields[12])) / tick
+        return ServerCpu(seconds["loops"], seconds["other"], seconds["engines"])
 
     def batches(self) -> Batches:
         return Batches.from_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)

@@ -153,7 +153,8 @@ def wait_for(event: torch.cuda.Event) -> None:
 
 class GraphedForward:
     """The pooled forward pass as captured CUDA graphs, one per bucket. Call from the one
-    thread that runs the model, in inference mode."""
+    thread that runs the model, in inference mode, on the stream current when it was made
+    (the default one): the events that say a pass's copies are done are recorded there."""
 
     def __init__(self, forward: PooledForward, device: torch.device, max_width: int) -> None:
         self.forward = forward

@@ -235,10 +235,14 @@ class Batcher:
 
     def take_from(self, intake: Intake) -> None:
         """Read arrivals on the worker thread, by calling `intake`, instead of having other
-        threads submit them: before each batch is chosen, and whenever the worker waits. An
-        engine of its own process reads its front ends' sockets so: with a second thread
-        reading them, the two passed the GIL back and forth several times a batch, and each
-        pass could wait for as long as the other held it."""
+        threads submit them: before each batch is chosen, and whenever the worker waits for
+        work (not during a pass, nor while it waits for a GPU's output). An engine of its own
+        process reads its front ends' sockets so: with a second thread reading them, the two
+        passed the GIL back and forth several times a batch, and each pass could wait for as
+        long as the other held it. What arrives during a pass is read after it: on a CPU,
+        where a pass can take a second, the backlog the front ends admit by lags by that
+        long (the engine's own check still refuses what does not fit), and aborts and
+        deadlines are seen that much later (the front end keeps its own deadline)."""
         with self._condition:
             self._intake = intake
             self._condition.notify()
@@ -260,7 +264,7 @@ class Batcher:
         if self._worker is not None:
             wait([self._worker], timeout)
 
-    # Admission (event loop) -----------------------------------------------------------
+    # Admission (the event loop in process; the worker itself, reading, in an engine process)
     def submit(self, ticket: Ticket, within: float | None = None) -> None:
         """Queue all of a request's inputs, or none of them (429, see `_check_room`);
         `within` is what is left of the request's time (at most `max_wait`)."""
@@ -270,9 +274,9 @@ class Batcher:
     def submit_all(
         self, tickets: Sequence[tuple[Ticket, float | None]]
     ) -> list[ServiceError | None]:
-        """`submit` for several requests under one lock, the worker woken at most once: what
-        came from a front end in one read. Each request's refusal, or None where it was
-        queued."""
+        """`submit` for several requests under one lock, the worker woken at most once (where
+        it is not the caller): what came from a front end in one read. Each request's
+        refusal, or None where it was queued."""
         refused: list[ServiceError | None] = []
         with self._condition:
             for ticket, within in tickets:
@@ -363,7 +367,7 @@ class Batcher:
     def _next_batch(self, wait: bool = True) -> list[WorkItem] | None:
         """The next batch; None once stopping, and an empty one when the queue is empty and
         `wait` is off (a batch is still running: it comes first)."""
-        if self._intake is not None:
+        if self._intake is not None and not self._stopping:
             self._intake(0)
         with self._condition:
             while not self._stopping:

@@ -42,7 +42,8 @@ from model.shared_weights import WeightStore
 
 log = logging.getLogger(__name__)
 
-# How often the main thread looks for a stop signal or a dead worker.
+# How often the main thread looks for a stop signal or a dead worker, and a writer waiting
+# for room looks whether its front end has gone.
 POLL_SECONDS = 0.1
 # Room in the kernel for replies a front end has not read yet, before a writer waits.
 SEND_BUFFER = 4 << 20
@@ -133,8 +134,9 @@ class EngineProcess:
         ready.close()
         code = self._watch()
         self._drain()
-        self.selector.close()
-        self.listener.close()
+        if not self.model.alive:  # else its worker may read them yet: the exit closes them
+            self.selector.close()
+            self.listener.close()
         return code
 
     def _stop(self, sig: int, frame: FrameType | None) -> None:
@@ -175,11 +177,31 @@ class EngineProcess:
         except OSError:
             data = b""
         if not data:  # the front end has gone: nobody waits for its requests
-            self.selector.unregister(frontend.sock)
-            frontend.close()
-            for key in [key for key in self.tickets if key[0] is frontend]:
-                self.tickets.pop(key).abandoned = True
+            self._drop(frontend)
             return
+        try:
+            arrived = self._arrivals(frontend, data)
+        except Exception:
+            # Not what a front end of this server sends: that connection ends, not the engine
+            # (the front end's requests fail, and its /live says so).
+            log.error(
+                "engine %d: a front end sent what it cannot read; closing its connection",
+                self.index,
+                exc_info=True,
+            )
+            self._drop(frontend)
+            return
+        if arrived:
+            self._submit(frontend, arrived)
+
+    def _drop(self, frontend: FrontEnd) -> None:
+        self.selector.unregister(frontend.sock)
+        frontend.close()
+        for key in [key for key in self.tickets if key[0] is frontend]:
+            self.tickets.pop(key).abandoned = True
+
+    def _arrivals(self, frontend: FrontEnd, data: bytes) -> list[tuple[Ticket, float | None]]:
+        """The submissions in what a front end sent, each with its ticket; aborts applied."""
         arrived: list[tuple[Ticket, float | None]] = []
         for raw in frontend.frames.feed(data):
             message = to_engine_decoder.decode(raw)
@@ -192,8 +214,7 @@ class EngineProcess:
             ticket = Ticket(encoded, wants, time.perf_counter() + message.left, key)
             self.tickets[key] = ticket
             arrived.append((ticket, message.left))
-        if arrived:
-            self._submit(frontend, arrived)
+        return arrived
 
     def _submit(self, frontend: FrontEnd, arrived: list[tuple[Ticket, float | None]]) -> None:
         assert self.model.batcher is not None, "loaded"

@@ -489,6 +489,23 @@ def test_a_worker_that_reads_its_own_arrivals_batches_them_and_sees_a_stop(
     assert batcher_module.IDLE_POLL in waits  # idle: reads with a bounded wait
 
 
+def test_with_a_pass_running_the_worker_reads_before_it_chooses(tiny_embedder: Embedder) -> None:
+    """The worker that does not wait (a pass still runs on the GPU) still reads what has
+    arrived, so that it goes next, instead of an empty batch."""
+    batcher = make_batcher(tiny_embedder)
+    [item] = make_items([3])
+    polls: list[float] = []
+
+    def intake(timeout: float) -> None:
+        polls.append(timeout)
+        if len(polls) == 1:
+            batcher.submit(item.ticket)
+
+    batcher.take_from(intake)
+    assert batcher._next_batch(wait=False) == [item]
+    assert batcher._next_batch(wait=False) == [] and polls == [0, 0]
+
+
 def passes_on(batcher: Batcher, threads: int) -> float:
     [family] = batcher.metrics.forward_passes_on(threads).collect()
     return next(s.value for s in family.samples if s.name.endswith("_total"))

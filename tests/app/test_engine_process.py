@@ -117,3 +117,16 @@ def test_a_front_end_that_goes_away_abandons_its_requests(
     process._read(frontend)
     assert ticket.abandoned and process.tickets == {} and frontend.gone
     frontend.write(b"more")  # a late reply goes nowhere, and raises nothing
+
+
+def test_a_front_end_that_sends_what_cannot_be_read_is_cut_off_not_the_engine(
+    engine: tuple[EngineProcess, socket.socket, FrontEnd],
+) -> None:
+    """A frame that is not a message, after a good one in the same read: the connection
+    ends and its requests are abandoned; nothing is raised to the engine's worker."""
+    process, ours, frontend = engine
+    ours.sendall(submit(7) + framed(Abort(8))[:4] + b"\xc1 not msgpack")
+    process._read(frontend)
+    assert frontend.gone and process.tickets == {}
+    assert process.model.batcher.seen == []  # type: ignore[union-attr]
+    assert not process.selector.get_map()  # no longer read

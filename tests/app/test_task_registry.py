@@ -8,11 +8,12 @@ import pytest
 
 from app.engine.protocol import ItemResult, Wants
 from app.errors import WrongTaskError
-from app.tasks import TASKS, require_task
+from app.tasks import TASKS, embedding, require_task
 from app.tasks.classifier import finish_logits
 from app.tasks.embedding import finish_vectors
 from app.tasks.sparse import finish_sparse
 from model.info import ModelInfo, Task
+from model.vectors import FloatArray, finish
 
 
 def info_of(task: Task, labels: tuple[str, ...] = ()) -> ModelInfo:
@@ -56,17 +57,24 @@ def test_post_root_goes_where_the_task_says() -> None:
     assert classify.main_path(info_of(Task.CLASSIFY, ("a", "b")), b"") == "/predict"
 
 
-def test_finishing_follows_each_inputs_wants() -> None:
+def test_finishing_follows_each_inputs_wants(monkeypatch: pytest.MonkeyPatch) -> None:
     pooled = np.array([[3.0, 4.0, 0.0], [0.0, 2.0, 0.0], [1.0, 0.0, 0.0]], dtype=np.float32)
     wants = [Wants(), Wants(normalize=False, dimensions=2), Wants(pooled=False)]
     first, second, third = (ItemResult(output) for output in finish_vectors(pooled, wants))
     assert np.allclose(first.vector, [0.6, 0.8, 0.0]) and np.allclose(second.vector, [0.0, 2.0])
     assert third.output is None
     # Every row alike: the whole batch in one call; the rows are copies, not views of the pass
+    calls: list[int] = []
+
+    def counted(vectors: FloatArray, normalize: bool, dimensions: int | None) -> FloatArray:
+        calls.append(len(vectors))
+        return finish(vectors, normalize, dimensions)
+
+    monkeypatch.setattr(embedding, "finish", counted)
     alike = [
         ItemResult(output).vector for output in finish_vectors(pooled, [Wants(dimensions=2)] * 3)
     ]
-    assert np.allclose(alike, [[0.6, 0.8], [0.0, 1.0], [1.0, 0.0]])
+    assert calls == [3] and np.allclose(alike, [[0.6, 0.8], [0.0, 1.0], [1.0, 0.0]])
     assert not any(np.shares_memory(vector, pooled) for vector in alike)
     first, second, third = (ItemResult(output) for output in finish_logits(pooled, wants))
     assert np.array_equal(second.vector, pooled[1]) and third.output is None

@@ -50,16 +50,20 @@ def test_cuda_graphs_match_eager_forward_passes() -> None:
 
 
 def test_graphed_passes_launched_back_to_back_each_keep_their_own_vectors() -> None:
-    """Two graphed passes queued on the GPU before either's output is read (as the batch
-    worker overlaps them), one bucket for both and then two buckets: each output equals its
-    batch's eager pass (max abs difference <= 1e-4, float32)."""
+    """Graphed passes queued on the GPU before any one's output is read (the batch worker
+    overlaps two): one bucket for all, then two buckets; the third pass takes the first's
+    pinned inputs slot again, and records its event again before the first is read. Each
+    output equals its batch's eager pass (max abs difference <= 1e-4, float32)."""
     graphed = Embedder.load(device="cuda", dtype="float32")
     eager = Embedder.load(device="cuda", dtype="float32", cuda_graphs=False)
     graphed.capture_graphs()
     by_length = sorted(graphed.tokenize(varied_sentences()), key=lambda e: len(e.ids))
-    for first, second in ((by_length[:3], by_length[3:6]), (by_length[:3], by_length[-8:])):
-        launched = [graphed.launch(first), graphed.launch(second)]
+    for batches in (
+        (by_length[:3], by_length[3:6], by_length[6:9]),
+        (by_length[:3], by_length[-8:], by_length[9:12]),
+    ):
+        launched = [graphed.launch(batch) for batch in batches]
         assert all(isinstance(output, OnItsWay) for output in launched)
-        for batch, output in zip((first, second), launched, strict=True):
+        for batch, output in zip(batches, launched, strict=True):
             expected = eager.forward(batch).pooled
             assert (output.result().pooled - expected).abs().max() <= 1e-4
