@@ -25,11 +25,11 @@ import ctypes
 import fcntl
 import math
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.context import SpawnContext
+from pathlib import Path
 
 from model.cpus import available_cpus
 
@@ -45,7 +45,8 @@ RECENTLY_BUSY = 0.01
 class CorePool:
     """The shared part, made by the supervisor and handed to each worker at spawn."""
 
-    def __init__(self, context: SpawnContext, workers: int, share: int) -> None:
+    def __init__(self, context: SpawnContext, workers: int, share: int, folder: Path) -> None:
+        """`folder`: where the lock file goes (the server's run folder)."""
         self.share = share
         self.size = max(share, min(share * workers, available_cpus()))
         # Per worker, until when (time.monotonic(), the same clock in every process) it wants
@@ -53,16 +54,12 @@ class CorePool:
         self.wanted_until: ctypes.Array[ctypes.c_double] = context.RawArray(
             ctypes.c_double, workers
         )
-        descriptor, self.lock_path = tempfile.mkstemp(prefix="embed-cores-")
-        os.close(descriptor)
+        self.lock_path = folder / "cores.lock"
+        self.lock_path.touch()
 
     def forget(self, index: int) -> None:
         """A dead worker wants no cores: the others may take them all again."""
         self.wanted_until[index] = 0.0
-
-    def remove(self) -> None:
-        """At the supervisor's exit."""
-        os.unlink(self.lock_path)
 
 
 class CoreLease:

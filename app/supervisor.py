@@ -27,7 +27,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -44,6 +43,7 @@ from app.engine.state import EngineBoard
 from app.logs import configure_logging
 from app.memory import limit_arenas
 from app.metrics import MULTIPROCESS_DIR_VARIABLE
+from app.run_folder import create_run_folder, hold
 from app.settings import ServedModel, Settings
 from model.codec import ModelCard
 from model.errors import ConfigError
@@ -122,7 +122,7 @@ def supervise(settings: Settings) -> int:
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror)
         return 1
-    run_dir = Path(tempfile.mkdtemp(prefix="embed-"))
+    run_dir = create_run_folder()
     metrics_dir = run_dir / "metrics"
     metrics_dir.mkdir()
     # Set before the children start: prometheus_client picks its value store at import.
@@ -135,7 +135,7 @@ def supervise(settings: Settings) -> int:
     shared = Shared(
         run_dir,
         len(devices),
-        CorePool(context, engines, settings.engine_threads()) if cpu_engines > 1 else None,
+        CorePool(context, engines, settings.engine_threads(), run_dir) if cpu_engines > 1 else None,
         sum(1 for device in devices if not device.startswith("cuda")) > 1,
         context.RawArray(ctypes.c_int, settings.frontend_count()),
     )
@@ -144,8 +144,6 @@ def supervise(settings: Settings) -> int:
         return Supervisor(settings, context, shared).run()
     finally:
         reservation.close()
-        if shared.cores is not None:
-            shared.cores.remove()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -310,11 +308,13 @@ def _resolve_devices(devices: list[str]) -> list[str]:
     return [str(resolve_device(device)) for device in devices]
 
 
-def _child(settings: Settings, name: str) -> None:
+def _child(settings: Settings, name: str, shared: Shared) -> None:
     """What every child does first. Signals reach it through the supervisor only (a
     terminal's Ctrl-C goes to the whole process group, and a child that got it twice would
-    skip its drain); it dies with the supervisor; `name` is its name in ps and top."""
+    skip its drain); it dies with the supervisor; `name` is its name in ps and top; it holds
+    the run folder while it lives (app/run_folder.py)."""
     os.setpgrp()
+    hold(shared.run_dir)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -336,7 +336,7 @@ def run_engine(
     ready: Connection,
 ) -> None:
     """Model `model`'s engine on its `index`th device."""
-    _child(settings, "embed-engine")
+    _child(settings, "embed-engine", shared)
     # Imported here only: the supervisor and the front ends never import torch.
     from app.engine.process import EngineProcess
     from model.shared_weights import WeightStore
@@ -360,7 +360,7 @@ def run_engine(
 
 
 def run_frontend(settings: Settings, cards: list[ModelCard], index: int, shared: Shared) -> None:
-    _child(settings, "embed-frontend")
+    _child(settings, "embed-frontend", shared)
     from app.engine.protocol import Admission
     from app.engine.remote import RemoteEngine
     from app.server import serve

@@ -511,10 +511,12 @@ def passes_on(batcher: Batcher, threads: int) -> float:
     return next(s.value for s in family.samples if s.name.endswith("_total"))
 
 
-def test_each_pass_runs_on_as_many_torch_threads_as_its_cores(tiny_embedder: Embedder) -> None:
+def test_each_pass_runs_on_as_many_torch_threads_as_its_cores(
+    tiny_embedder: Embedder, tmp_path: Path
+) -> None:
     """Under --workers the lease says how many cores a pass may take (app/cores.py); the
     batcher runs it on that many threads: all of them alone, its share beside a busy worker."""
-    pool = CorePool(multiprocessing.get_context("spawn"), workers=2, share=1)
+    pool = CorePool(multiprocessing.get_context("spawn"), workers=2, share=1, folder=tmp_path)
     before = torch.get_num_threads()
     try:
         mine, other = CoreLease(pool, 0), CoreLease(pool, 1)
@@ -536,4 +538,3 @@ def test_each_pass_runs_on_as_many_torch_threads_as_its_cores(tiny_embedder: Emb
         assert [passes_on(batcher, threads) for threads in (2, 1)] == [1, 1]
     finally:
         torch.set_num_threads(before)
-        pool.remove()

@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
@@ -31,10 +30,8 @@ BLOCKED_FOR = 0.3
 
 
 @pytest.fixture
-def pool() -> Iterator[CorePool]:
-    pool = CorePool(multiprocessing.get_context("spawn"), workers=2, share=1)
-    yield pool
-    pool.remove()
+def pool(tmp_path: Path) -> CorePool:
+    return CorePool(multiprocessing.get_context("spawn"), workers=2, share=1, folder=tmp_path)
 
 
 def hold(lease: CoreLease, entered: Future[int], leave: threading.Event) -> None:
