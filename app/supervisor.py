@@ -314,13 +314,13 @@ def _child(settings: Settings, name: str, shared: Shared) -> None:
     skip its drain); it dies with the supervisor; `name` is its name in ps and top; it holds
     the run folder while it lives (app/run_folder.py)."""
     os.setpgrp()
-    hold(shared.run_dir)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         libc.prctl(_PR_SET_NAME, name.encode())
     except (OSError, AttributeError):  # not Linux: children outlive a killed supervisor
         log.debug("prctl is not available")
+    hold(shared.run_dir)
     limit_arenas()
     configure_logging(settings.log_level, settings.log_format)
     log.info("%s started (pid %d)", name, os.getpid())

@@ -177,28 +177,16 @@ class EngineProcess:
         except OSError:
             data = b""
         if not data:  # the front end has gone: nobody waits for its requests
-            self._drop(frontend)
+            self.selector.unregister(frontend.sock)
+            frontend.close()
+            for key in [key for key in self.tickets if key[0] is frontend]:
+                self.tickets.pop(key).abandoned = True
             return
-        try:
-            arrived = self._arrivals(frontend, data)
-        except Exception:
-            # Not what a front end of this server sends: that connection ends, not the engine
-            # (the front end's requests fail, and its /live says so).
-            log.error(
-                "engine %d: a front end sent what it cannot read; closing its connection",
-                self.index,
-                exc_info=True,
-            )
-            self._drop(frontend)
-            return
-        if arrived:
+        # A message the engine cannot read is no request's doing: its front end and it are out
+        # of step (a bug). It stops the worker, so the engine and with it the server exit 1,
+        # for the orchestrator to restart, rather than serve on half broken.
+        if arrived := self._arrivals(frontend, data):
             self._submit(frontend, arrived)
-
-    def _drop(self, frontend: FrontEnd) -> None:
-        self.selector.unregister(frontend.sock)
-        frontend.close()
-        for key in [key for key in self.tickets if key[0] is frontend]:
-            self.tickets.pop(key).abandoned = True
 
     def _arrivals(self, frontend: FrontEnd, data: bytes) -> list[tuple[Ticket, float | None]]:
         """The submissions in what a front end sent, each with its ticket; aborts applied."""

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from app.engine.batcher import Ticket
@@ -119,14 +120,13 @@ def test_a_front_end_that_goes_away_abandons_its_requests(
     frontend.write(b"more")  # a late reply goes nowhere, and raises nothing
 
 
-def test_a_front_end_that_sends_what_cannot_be_read_is_cut_off_not_the_engine(
+def test_a_frame_that_is_no_message_stops_the_engine_rather_than_being_skipped(
     engine: tuple[EngineProcess, socket.socket, FrontEnd],
 ) -> None:
-    """A frame that is not a message, after a good one in the same read: the connection
-    ends and its requests are abandoned; nothing is raised to the engine's worker."""
+    """No request can send one (front ends frame what they encode): it means a front end
+    and the engine out of step. It reaches the worker, whose stop takes the server down for
+    its orchestrator to restart (tests/app/test_split.py: a dead engine stops the rest)."""
     process, ours, frontend = engine
     ours.sendall(submit(7) + framed(Abort(8))[:4] + b"\xc1 not msgpack")
-    process._read(frontend)
-    assert frontend.gone and process.tickets == {}
-    assert process.model.batcher.seen == []  # type: ignore[union-attr]
-    assert not process.selector.get_map()  # no longer read
+    with pytest.raises(msgspec.DecodeError):
+        process._read(frontend)

@@ -3,6 +3,8 @@ servers still running (any of their processes) and anything else are left alone.
 
 from __future__ import annotations
 
+import os
+import select
 import signal
 import subprocess
 import sys
@@ -27,10 +29,13 @@ def started(code: str, *args: str, temp: Path) -> tuple[subprocess.Popen[str], P
         [sys.executable, "-c", code + WAIT, *args],
         stdout=subprocess.PIPE,
         text=True,
-        env={"TMPDIR": str(temp), "PATH": "/usr/bin:/bin"},
+        env={**os.environ, "TMPDIR": str(temp)},
         cwd=Path(__file__).resolve().parents[2],
     )
     assert process.stdout is not None
+    if not select.select([process.stdout], [], [], 60)[0]:
+        killed(process)
+        raise AssertionError("the process said nothing within 60 s")
     return process, Path(process.stdout.readline().strip())
 
 
@@ -47,8 +52,15 @@ def test_a_killed_server_s_folder_goes_once_none_of_its_processes_holds_it(
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     other = tmp_path / f"{PREFIX}not-a-run-folder"  # no marker: not ours to judge
     other.mkdir()
+    planted = tmp_path / f"{PREFIX}planted"  # anyone may write in /tmp: a FIFO never opens
+    planted.mkdir()
+    os.mkfifo(planted / MARKER)
     supervisor, folder = started(MAKE, temp=tmp_path)
-    child, _ = started(HOLD, str(folder), temp=tmp_path)
+    try:
+        child, _ = started(HOLD, str(folder), temp=tmp_path)
+    except BaseException:
+        killed(supervisor)
+        raise
     try:
         assert folder.parent == tmp_path and (folder / MARKER).exists()
         assert remove_abandoned() == 0  # running
@@ -56,7 +68,7 @@ def test_a_killed_server_s_folder_goes_once_none_of_its_processes_holds_it(
         assert remove_abandoned() == 0 and folder.exists()  # its child still runs
         killed(child)
         assert remove_abandoned() == 1 and not folder.exists()
-        assert other.exists() and remove_abandoned() == 0
+        assert other.exists() and planted.exists() and remove_abandoned() == 0
     finally:
         for process in (supervisor, child):
             if process.poll() is None:

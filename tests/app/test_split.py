@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from app.balance import ConnectionBalance
+from app.run_folder import MARKER
 from tests.app.test_server_process import ServerProcess, free_port
 
 
@@ -248,6 +249,24 @@ def test_a_killed_engine_fails_live_and_its_requests_and_stops_the_container(
     assert split.process.wait(timeout=60) == 128 + signal.SIGKILL
     assert not any(alive(pid) for pid in frontends)
     assert "engine-0 exited with -9: stopping the others" in split.log.read_text()
+
+
+def test_every_process_of_the_server_holds_its_run_folder(split: ServerProcess) -> None:
+    """A killed server's folder is removed by the next one once none of its processes holds
+    it (app/run_folder.py, tests/app/test_run_folder.py): here each of them does."""
+    (engine,) = engines_of(split)
+    environ = Path(f"/proc/{engine}/environ").read_bytes().split(b"\0")
+    [metrics] = [
+        v for k, _, v in (e.partition(b"=") for e in environ) if k == b"PROMETHEUS_MULTIPROC_DIR"
+    ]
+    marker = Path(metrics.decode()).parent / MARKER
+    inode = f":{marker.stat().st_ino} "
+    holders = {
+        int(fields[4])
+        for line in Path("/proc/locks").read_text().splitlines()
+        if (fields := line.split())[1] == "FLOCK" and inode in line
+    }
+    assert {split.process.pid, engine, *frontends_of(split)} <= holders
 
 
 def test_a_killed_front_end_stops_the_container(split: ServerProcess) -> None:
