@@ -30,6 +30,9 @@ WIDTH_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 GRAPH_MAX_TOKENS = 4096
 # Eager runs before a capture: the first ones choose kernels and allocate workspaces.
 WARM_UP_RUNS = 2
+# Up to this many inputs a batch is padded row by row: for so few, the fixed cost of the few
+# whole-array steps is the larger (docs/benchmarks.md).
+ROW_BY_ROW = 8
 
 IntGrid = npt.NDArray[np.int64]
 # A pass's inputs in one buffer: on the host (numpy) or on the GPU (torch).
@@ -87,15 +90,20 @@ def write_padded(
 ) -> None:
     """`padded_batch` into arrays that exist (whatever they held before)."""
     count = len(ids)
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=count)
     grid.fill(pad_id)
     mask.fill(0)
-    real = np.arange(grid.shape[1]) < lengths[:, None]
-    # Row-major boolean indexing: the batch's ids, in order, land in their rows' first cells.
-    grid[:count][real] = np.fromiter(
-        itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum())
-    )
-    mask[:count][real] = 1
+    if count <= ROW_BY_ROW:
+        for row, sequence in enumerate(ids):
+            grid[row, : len(sequence)] = sequence
+            mask[row, : len(sequence)] = 1
+    else:
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=count)
+        real = np.arange(grid.shape[1]) < lengths[:, None]
+        # Row-major boolean indexing: the batch's ids, in order, land in their rows' first cells.
+        grid[:count][real] = np.fromiter(
+            itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum())
+        )
+        mask[:count][real] = 1
     mask[count:, 0] = 1
     prompts.fill(0)
     prompts[:count] = prompt_lengths

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from model import Embedder
 from model.cuda_graphs import (
     GRAPH_MAX_TOKENS,
+    ROW_BY_ROW,
     all_buckets,
     bucket,
     input_values,
@@ -65,6 +67,24 @@ def test_a_reused_buffer_holds_only_the_latest_batch() -> None:
         assert np.shares_memory(reused, flat)
         assert reused.tolist() == fresh.tolist()
     assert arrays[1].sum(axis=1).tolist() == [3, 0, 1, 1]  # an empty input stays empty
+
+
+@pytest.mark.parametrize("count", [1, ROW_BY_ROW, ROW_BY_ROW + 1, 40])
+def test_row_by_row_and_whole_array_padding_agree(count: int) -> None:
+    """Small batches are padded row by row, larger ones in whole-array steps: both give
+    what padding each row by hand gives, over stale values, empty inputs included."""
+    rows, width = 64, 32
+    ids = [list(range(1, 1 + (row * 7) % width)) for row in range(count)]
+    prompts = [row % 3 for row in range(count)]
+    flat = np.full(input_values((rows, width)), 99, dtype=np.int64)
+    grid, mask, written = inputs_in(flat, (rows, width))
+    write_padded(ids, prompts, 5, grid, mask, written)
+    for row in range(rows):
+        tokens = ids[row] if row < count else []
+        assert grid[row].tolist() == tokens + [5] * (width - len(tokens))
+        real = len(tokens) if row < count else 1  # a padding row holds one pad token
+        assert mask[row].tolist() == [1] * real + [0] * (width - real)
+    assert written.tolist() == prompts + [0] * (rows - count)
 
 
 def test_padding_to_a_bucket_leaves_the_real_rows_alone(tiny_embedder: Embedder) -> None:
