@@ -308,7 +308,7 @@ def _resolve_devices(devices: list[str]) -> list[str]:
     return [str(resolve_device(device)) for device in devices]
 
 
-def _child(settings: Settings, name: str, shared: Shared) -> None:
+def _child(settings: Settings, name: str, run_dir: Path) -> None:
     """What every child does first. Signals reach it through the supervisor only (a
     terminal's Ctrl-C goes to the whole process group, and a child that got it twice would
     skip its drain); it dies with the supervisor; `name` is its name in ps and top; it holds
@@ -320,7 +320,7 @@ def _child(settings: Settings, name: str, shared: Shared) -> None:
         libc.prctl(_PR_SET_NAME, name.encode())
     except (OSError, AttributeError):  # not Linux: children outlive a killed supervisor
         log.debug("prctl is not available")
-    hold(shared.run_dir)
+    hold(run_dir)
     limit_arenas()
     configure_logging(settings.log_level, settings.log_format)
     log.info("%s started (pid %d)", name, os.getpid())
@@ -336,7 +336,7 @@ def run_engine(
     ready: Connection,
 ) -> None:
     """Model `model`'s engine on its `index`th device."""
-    _child(settings, "embed-engine", shared)
+    _child(settings, "embed-engine", shared.run_dir)
     # Imported here only: the supervisor and the front ends never import torch.
     from app.engine.process import EngineProcess
     from model.shared_weights import WeightStore
@@ -360,7 +360,7 @@ def run_engine(
 
 
 def run_frontend(settings: Settings, cards: list[ModelCard], index: int, shared: Shared) -> None:
-    _child(settings, "embed-frontend", shared)
+    _child(settings, "embed-frontend", shared.run_dir)
     from app.engine.protocol import Admission
     from app.engine.remote import RemoteEngine
     from app.server import serve

@@ -145,8 +145,8 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: Tensor  # on the GPU, flat: ids, mask and prompt lengths, read by the replay
     vectors: Tensor
-    # Views made once (a slice costs a pass about what the copy it feeds does): the first n
-    # rows of `vectors`, by n; and the inputs' pinned buffers, by slot.
+    # Views made once (a slice per pass would be one more torch call): the first n rows of
+    # `vectors`, by n; and the inputs' pinned buffers, by slot.
     rows: tuple[Tensor, ...]
     staged: tuple[_Staged, ...]
 
