@@ -72,6 +72,7 @@ docs: $(BIN)/python
 bench:
 	$(PIP) -c constraints.txt -e '.[bench]'
 	$(BIN)/python -m bench.onnx_compare
+	$(BIN)/python -m bench.products
 	$(BIN)/python -m bench.retrieval_quality
 	$(BIN)/python -m bench.encoder
 	$(BIN)/python -m bench.layers

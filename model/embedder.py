@@ -17,7 +17,7 @@ from model.cuda_graphs import GraphedForward, IntGrid, padded_batch, wait_for
 from model.device import DtypeChoice, cpu_flags, resolve_device, resolve_dtype
 from model.heads import Head
 from model.info import AttentionSpec, ModelInfo
-from model.int8 import INT8, quantize_linears, reduces_range
+from model.int8 import INT8, quantize_linears, weight_levels
 from model.loading import load_model
 from model.pipeline import EmbeddingPipeline
 from model.prepacked import can_prepack, prepack_linears
@@ -115,7 +115,7 @@ class Embedder:
         # Or in int8 where the operator asked for it (model/int8.py); how many.
         self.quantized = 0
         if info.dtype == INT8:
-            self.quantized = quantize_linears(network, reduces_range(cpu_flags()))
+            self.quantized = quantize_linears(network, weight_levels(cpu_flags()))
         elif prepack and can_prepack(self.device, first.dtype):
             self.prepacked = prepack_linears(network)
 

@@ -6,8 +6,8 @@ in torch's fbgemm kernels (x86). Everything else (embeddings, attention, LayerNo
 activation functions, pooling and any head) stays in float32. Never chosen by `auto`: it
 trades a little accuracy for speed, and docs/benchmarks.md says how much of each.
 
-On CPUs without VNNI instructions the activations use 7 bits of range (`reduce_range`), as
-torch advises there: fbgemm's 8-bit products would otherwise saturate.
+On CPUs without VNNI instructions the weights use 7 bits (`NARROW_LEVELS`), so that fbgemm's
+16-bit sums of products cannot saturate; the activations keep their 8 bits.
 """
 
 from __future__ import annotations
@@ -25,6 +25,14 @@ from model.frozen import FrozenLinear
 INT8 = "int8"
 # CPU flags of instructions that multiply 8-bit integers without saturating (VNNI).
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+# Levels each side of zero a weight is quantized to, with one scale per output channel.
+FULL_LEVELS = 127
+# Without VNNI, fbgemm multiplies uint8 activations by int8 weights in pairs summed into 16
+# bits (AVX2's vpmaddubsw), which saturate beyond 32,767: 2 x 255 x 63 fits, 2 x 255 x 127
+# does not. There the weights give up their eighth bit rather than the activations (torch's
+# `reduce_range`, whose one scale covers a whole tensor): all-MiniLM-L6-v2 measured much
+# closer to float32 so (docs/benchmarks.md).
+NARROW_LEVELS = 63
 
 
 @contextmanager
@@ -42,11 +50,11 @@ class Int8Linear(FrozenLinear):
 
     refusal = "an int8 linear layer cannot be {}: build the model in a float dtype"
 
-    def __init__(self, linear: nn.Linear, reduce_range: bool) -> None:
+    def __init__(self, linear: nn.Linear, levels: int) -> None:
         super().__init__(linear)
-        self.reduce_range = reduce_range
+        self.levels = levels
         weight = linear.weight.detach().float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
+        scales = (weight.abs().amax(dim=1) / levels).clamp(min=1e-12).double()
         zero_points = torch.zeros(self.out_features, dtype=torch.long)
         bias = None if linear.bias is None else linear.bias.detach().float()
         with _quantized_tensors_allowed():
@@ -59,12 +67,12 @@ class Int8Linear(FrozenLinear):
         # packed weight (a ScriptObject) answers by throwing a C++ exception, caught again,
         # which cost 40% of a small call. Plain tensors go in, so nothing is lost.
         with torch._C.DisableTorchFunctionSubclass():
-            out = torch.ops.quantized.linear_dynamic(flat, self.packed, self.reduce_range)
+            out = torch.ops.quantized.linear_dynamic(flat, self.packed, False)
         result: Tensor = out.reshape(*x.shape[:-1], self.out_features)
         return result
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, int8"
+        return f"{super().extra_repr()}, int8 (weights within +-{self.levels})"
 
 
 def int8_unavailable(device: torch.device) -> str | None:
@@ -78,16 +86,17 @@ def int8_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def reduces_range(cpu_flags: frozenset[str]) -> bool:
-    return not any(flag in cpu_flags for flag in VNNI_FLAGS)
+def weight_levels(cpu_flags: frozenset[str]) -> int:
+    """The levels a weight may use on a CPU with these flags."""
+    return FULL_LEVELS if any(flag in cpu_flags for flag in VNNI_FLAGS) else NARROW_LEVELS
 
 
-def quantize_linears(network: nn.Module, reduce_range: bool) -> int:
+def quantize_linears(network: nn.Module, levels: int) -> int:
     """Swap every `nn.Linear` inside `network` (float32) for its int8 twin; how many."""
     swapped = 0
     for module in list(network.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:  # exactly: a subclass may be read by its owner
-                setattr(module, name, Int8Linear(child, reduce_range))
+                setattr(module, name, Int8Linear(child, levels))
                 swapped += 1
     return swapped

@@ -10,9 +10,17 @@ import torch
 from torch import nn
 
 from model import Embedder
-from model.device import resolve_dtype
+from model.device import cpu_flags, resolve_dtype
 from model.errors import ConfigError
-from model.int8 import Int8Linear, int8_unavailable, quantize_linears
+from model.int8 import (
+    FULL_LEVELS,
+    NARROW_LEVELS,
+    VNNI_FLAGS,
+    Int8Linear,
+    int8_unavailable,
+    quantize_linears,
+    weight_levels,
+)
 from tests.model.test_parity_sentence_transformers import varied_sentences
 
 # all-MiniLM-L6-v2 on the parity sentences, int8 against float32: tighter than the int8
@@ -38,17 +46,38 @@ def test_minilm_in_int8_stays_close_to_float32(minilm: Embedder) -> None:
 
 
 @needs_int8
-@pytest.mark.parametrize("reduce_range", [False, True])
-def test_int8_linear_is_close_to_the_float_layer(reduce_range: bool) -> None:
+@pytest.mark.parametrize(("levels", "bound"), [(FULL_LEVELS, 0.015), (NARROW_LEVELS, 0.02)])
+def test_int8_linear_is_close_to_the_float_layer(levels: int, bound: float) -> None:
+    if levels > weight_levels(cpu_flags()):
+        pytest.skip("no VNNI on this CPU: full-range weights saturate fbgemm's 16-bit sums")
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)
-    quantized = Int8Linear(linear, reduce_range)
+    quantized = Int8Linear(linear, levels)
     x = torch.randn(3, 5, 64)  # any leading dimensions
     with torch.inference_mode():
         exact, approx = linear(x), quantized(x)
     assert approx.shape == exact.shape
     relative = (approx - exact).norm() / exact.norm()
-    assert relative < (0.03 if reduce_range else 0.015), relative
+    assert relative < bound, relative
+
+
+@needs_int8
+@pytest.mark.parametrize("levels", [FULL_LEVELS, NARROW_LEVELS])
+def test_packed_weights_keep_within_their_levels(levels: int) -> None:
+    """Each output channel's largest weight lands on the top level, none beyond: on a CPU
+    without VNNI, 63 keeps every pair of products within 16 bits."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    quantized = Int8Linear(linear, levels)
+    weight, _ = torch.ops.quantized.linear_unpack(quantized.packed)
+    top = weight.int_repr().abs().amax(dim=1)
+    assert torch.equal(top, torch.full_like(top, levels))
+
+
+def test_weights_narrow_where_the_cpu_lacks_vnni() -> None:
+    assert weight_levels(frozenset({"avx2", "fma"})) == NARROW_LEVELS
+    for vnni in VNNI_FLAGS:
+        assert weight_levels(frozenset({"avx2", vnni})) == FULL_LEVELS
 
 
 @needs_int8
@@ -56,7 +85,7 @@ def test_a_call_never_asks_the_packed_weight_for_torch_function(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The question costs a C++ exception thrown and caught per layer call (model/int8.py)."""
-    layer = Int8Linear(nn.Linear(16, 8), reduce_range=False)
+    layer = Int8Linear(nn.Linear(16, 8), NARROW_LEVELS)
     asked: list[str] = []
     answer = torch.ScriptObject.__getattr__  # type: ignore[attr-defined]  # pybind11 defines it
 
@@ -78,7 +107,7 @@ def test_only_exact_linear_layers_are_swapped_and_they_are_frozen() -> None:
         pass
 
     network = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), Owned(8, 8))
-    assert quantize_linears(network, reduce_range=False) == 1
+    assert quantize_linears(network, NARROW_LEVELS) == 1
     assert isinstance(network[0], Int8Linear) and type(network[2]) is Owned
     with pytest.raises(RuntimeError, match="int8 linear layer cannot be moved"):
         network.to(torch.float16)

@@ -1,0 +1,165 @@
+"""The encoder's linear products alone, on each float32 kernel, against ONNX Runtime's MatMul.
+
+A float32 pass of the default model (all-MiniLM-L6-v2) spends most of its time in its linear
+products, so this is where a CPU's float32 figures against ONNX Runtime
+(`bench.onnx_compare`) are decided. Every linear layer of the default model's encoder is run
+alone, in the model's order, each on an input of random rows of its own width (the products
+are not chained: there is no attention between them), on each kernel model/prepacked.py
+knows: oneDNN's on its prepacked weight, MKL's on its packed weight (where torch has MKL),
+and torch's `F.linear`, whatever the encoder's own choice on this CPU (printed). ONNX Runtime
+runs the same weights and biases as one graph of MatMul and Add nodes, on the same inputs and
+threads, executed in that order (ORT_SEQUENTIAL). Each set is timed on 1, 16 (one sentence),
+32 and 512 rows (a batch), in rounds that alternate the order of the engines, each engine's
+median call per round and its best round kept; each ratio is a kernel's time over ONNX
+Runtime's. Needs the bench extra (onnxruntime, onnx); not in CI.
+Usage: python -m bench.products [--threads 2] [--rounds 5] [--calls 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from model import DEFAULT_MODEL_ID, Embedder
+from model.prepacked import MklLinear, OnednnLinear, kernel_names
+
+RESULTS = Path(__file__).resolve().parent / "results" / "products.json"
+ROWS = (1, 16, 32, 512)
+Run = Callable[[], object]
+
+
+def encoder_linears(embedder: Embedder) -> list[nn.Linear]:
+    """The linear layers of an encoder loaded with prepack=False, in the order of its
+    modules: for BERT the order of a pass."""
+    return [m for m in embedder.network.modules() if isinstance(m, nn.Linear)]
+
+
+def float_weights(linears: list[nn.Linear]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(in x out weight, bias) of each layer, as ONNX's MatMul and Add take them."""
+    found = []
+    for layer in linears:
+        weight = layer.weight.detach().numpy().T.copy()
+        if layer.bias is None:
+            bias = np.zeros(layer.out_features, np.float32)
+        else:
+            bias = layer.bias.detach().numpy()
+        found.append((weight, bias))
+    return found
+
+
+def onnx_products(weights: list[tuple[np.ndarray, np.ndarray]], threads: int) -> Callable[..., Run]:
+    """A session of one MatMul and Add per product, in order, and a factory of its runs."""
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes, initializers, outputs = [], [], []
+    widths = sorted({weight.shape[0] for weight, _ in weights})
+    for index, (weight, bias) in enumerate(weights):
+        initializers += [
+            numpy_helper.from_array(weight, f"w{index}"),
+            numpy_helper.from_array(bias, f"b{index}"),
+        ]
+        source = f"x{weight.shape[0]}"
+        nodes.append(helper.make_node("MatMul", [source, f"w{index}"], [f"p{index}"]))
+        nodes.append(helper.make_node("Add", [f"p{index}", f"b{index}"], [f"y{index}"]))
+        outputs.append(helper.make_tensor_value_info(f"y{index}", TensorProto.FLOAT, None))
+    inputs = [
+        helper.make_tensor_value_info(f"x{width}", TensorProto.FLOAT, ["rows", width])
+        for width in widths
+    ]
+    graph = helper.make_graph(nodes, "products", inputs, outputs, initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+    session = onnxruntime.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+
+    def run(feeds: dict[int, np.ndarray]) -> Run:
+        named = {f"x{width}": feeds[width] for width in widths}
+        return lambda: session.run(None, named)
+
+    return run
+
+
+def median_ms(run: Run, calls: int) -> float:
+    run()  # a first call per row count compiles, for oneDNN
+    seconds = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds) * 1000
+
+
+def kernels(linears: list[nn.Linear]) -> dict[str, list[nn.Module]]:
+    """The same layers on each float32 kernel this torch build has."""
+    found: dict[str, list[nn.Module]] = {"oneDNN": [OnednnLinear(layer) for layer in linears]}
+    if torch.backends.mkl.is_available():  # type: ignore[no-untyped-call]
+        found["MKL"] = [MklLinear(layer) for layer in linears]
+    found["F.linear"] = list(linears)
+    return found
+
+
+def on_kernel(layers: list[nn.Module], inputs: list[torch.Tensor]) -> Run:
+    """Each layer on its input, in order."""
+
+    def run() -> None:
+        with torch.inference_mode():
+            for layer, x in zip(layers, inputs, strict=True):
+                layer(x)
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    served = Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype="float32")
+    plain = Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype="float32", prepack=False)
+    linears = encoder_linears(plain)
+    onnx = onnx_products(float_weights(linears), args.threads)
+    on_each = kernels(linears)
+    print(
+        f"{len(linears)} linear products of {DEFAULT_MODEL_ID}, float32, {args.threads} "
+        f"threads; the encoder runs them here on: {kernel_names(served.network) or 'F.linear'}"
+    )
+    generator = np.random.default_rng(0)
+    report = {}
+    for rows in ROWS:
+        widths = {layer.in_features for layer in linears}
+        feeds = {w: generator.standard_normal((rows, w), dtype=np.float32) for w in widths}
+        inputs = [torch.from_numpy(feeds[layer.in_features]) for layer in linears]
+        runs = {name: on_kernel(layers, inputs) for name, layers in on_each.items()}
+        runs["onnxruntime"] = onnx(feeds)
+        best = dict.fromkeys(runs, float("inf"))
+        for round_ in range(args.rounds):
+            order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
+            for name in order:
+                best[name] = min(best[name], median_ms(runs[name], args.calls))
+        report[rows] = best
+        figures = ", ".join(
+            f"{name} {ms:.2f} ms ({ms / best['onnxruntime']:.2f}x)" for name, ms in best.items()
+        )
+        print(f"{rows:4d} rows: {figures}")
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"threads": args.threads, "rows": report}, indent=2))
+    print(f"written to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
