@@ -8,11 +8,15 @@ are not chained: there is no attention between them), on each kernel model/prepa
 knows: oneDNN's on its prepacked weight, MKL's on its packed weight (where torch has MKL),
 and torch's `F.linear`, whatever the encoder's own choice on this CPU (printed). ONNX Runtime
 runs the same weights and biases as one graph of MatMul and Add nodes, on the same inputs and
-threads, executed in that order (ORT_SEQUENTIAL). Each set is timed on 1, 16 (one sentence),
-32 and 512 rows (a batch), in rounds that alternate the order of the engines, each engine's
-median call per round and its best round kept; each ratio is a kernel's time over ONNX
-Runtime's. Needs the bench extra (onnxruntime, onnx); not in CI.
-Usage: python -m bench.products [--threads 2] [--rounds 5] [--calls 20]
+threads, one node at a time (ORT_SEQUENTIAL; it may order independent nodes its own way).
+Every engine's outputs are first checked against `F.linear`'s. Each set is timed on 1, 16 (one
+sentence), 32 and 512 rows (a batch), in rounds that alternate the order of the engines, each
+engine's median call per round and its best round kept; each ratio is a kernel's time over
+ONNX Runtime's. `--dtype int8` runs the products as `--dtype int8` does (model/int8.py:
+fbgemm, activations quantized per call) against ONNX Runtime's `quantize_dynamic` of the same
+graph, as bench.onnx_compare quantizes the model. Needs the bench extra (onnxruntime, onnx);
+not in CI.
+Usage: python -m bench.products [--dtype float32|int8] [--threads 2] [--rounds 5] [--calls 20]
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +34,8 @@ import torch
 from torch import nn
 
 from model import DEFAULT_MODEL_ID, Embedder
+from model.device import cpu_flags
+from model.int8 import Int8Linear, weight_levels
 from model.prepacked import MklLinear, OnednnLinear, kernel_names
 
 RESULTS = Path(__file__).resolve().parent / "results" / "products.json"
@@ -55,10 +62,17 @@ def float_weights(linears: list[nn.Linear]) -> list[tuple[np.ndarray, np.ndarray
     return found
 
 
-def onnx_products(weights: list[tuple[np.ndarray, np.ndarray]], threads: int) -> Callable[..., Run]:
-    """A session of one MatMul and Add per product, in order, and a factory of its runs."""
+Feeds = dict[int, np.ndarray]  # an input of its width for each product
+
+
+def onnx_products(
+    weights: list[tuple[np.ndarray, np.ndarray]], threads: int, int8: bool
+) -> Callable[[Feeds], Run]:
+    """A session of one MatMul and Add per product, in order (quantized by ONNX Runtime's
+    `quantize_dynamic` for int8), and a factory of its runs."""
     import onnxruntime
     from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization import QuantType, quantize_dynamic
 
     nodes, initializers, outputs = [], [], []
     widths = sorted({weight.shape[0] for weight, _ in weights})
@@ -77,15 +91,20 @@ def onnx_products(weights: list[tuple[np.ndarray, np.ndarray]], threads: int) ->
     ]
     graph = helper.make_graph(nodes, "products", inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    serialized = model.SerializeToString()
+    if int8:
+        with tempfile.TemporaryDirectory() as work:
+            exact, quantized = Path(work) / "products.onnx", Path(work) / "products-int8.onnx"
+            exact.write_bytes(serialized)
+            quantize_dynamic(str(exact), str(quantized), weight_type=QuantType.QInt8)
+            serialized = quantized.read_bytes()
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
-    session = onnxruntime.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
+    session = onnxruntime.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
 
-    def run(feeds: dict[int, np.ndarray]) -> Run:
+    def run(feeds: Feeds) -> Run:
         named = {f"x{width}": feeds[width] for width in widths}
         return lambda: session.run(None, named)
 
@@ -102,50 +121,72 @@ def median_ms(run: Run, calls: int) -> float:
     return statistics.median(seconds) * 1000
 
 
-def kernels(linears: list[nn.Linear]) -> dict[str, list[nn.Module]]:
-    """The same layers on each float32 kernel this torch build has."""
+def kernels(linears: list[nn.Linear], int8: bool) -> dict[str, list[nn.Module]]:
+    """The same layers on each float32 kernel this torch build has, or in int8 as the encoder
+    runs them on this CPU."""
+    if int8:
+        levels = weight_levels(cpu_flags())
+        return {"int8 (fbgemm)": [Int8Linear(layer, levels) for layer in linears]}
     found: dict[str, list[nn.Module]] = {"oneDNN": [OnednnLinear(layer) for layer in linears]}
-    if torch.backends.mkl.is_available():  # type: ignore[no-untyped-call]
+    mkl = torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]
+    if mkl and torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         found["MKL"] = [MklLinear(layer) for layer in linears]
     found["F.linear"] = list(linears)
     return found
 
 
-def on_kernel(layers: list[nn.Module], inputs: list[torch.Tensor]) -> Run:
+def outputs(layers: list[nn.Module], inputs: list[torch.Tensor]) -> list[np.ndarray]:
     """Each layer on its input, in order."""
+    with torch.inference_mode():
+        return [layer(x).numpy() for layer, x in zip(layers, inputs, strict=True)]
 
-    def run() -> None:
-        with torch.inference_mode():
-            for layer, x in zip(layers, inputs, strict=True):
-                layer(x)
 
-    return run
+def on_kernel(layers: list[nn.Module], inputs: list[torch.Tensor]) -> Run:
+    return lambda: outputs(layers, inputs)
+
+
+def check(name: str, outputs: object, reference: list[np.ndarray], int8: bool) -> None:
+    """A kernel's outputs against F.linear's: to float32's rounding, or int8's error."""
+    assert isinstance(outputs, list)
+    for index, (got, expected) in enumerate(zip(outputs, reference, strict=True)):
+        error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+        if error > (0.05 if int8 else 1e-4):
+            raise SystemExit(f"{name}: product {index} is {error:.2g} off F.linear's")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dtype", choices=("float32", "int8"), default="float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    served = Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype="float32")
+    int8 = args.dtype == "int8"
     plain = Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype="float32", prepack=False)
     linears = encoder_linears(plain)
-    onnx = onnx_products(float_weights(linears), args.threads)
-    on_each = kernels(linears)
+    onnx = onnx_products(float_weights(linears), args.threads, int8)
+    on_each = kernels(linears, int8)
+    if int8:
+        choice = f"int8, weights within +-{weight_levels(cpu_flags())}"
+    else:
+        served = Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype="float32")
+        choice = kernel_names(served.network) or "F.linear"
     print(
-        f"{len(linears)} linear products of {DEFAULT_MODEL_ID}, float32, {args.threads} "
-        f"threads; the encoder runs them here on: {kernel_names(served.network) or 'F.linear'}"
+        f"{len(linears)} linear products of {DEFAULT_MODEL_ID}, {args.dtype}, {args.threads} "
+        f"threads; the encoder runs them here on: {choice}"
     )
     generator = np.random.default_rng(0)
+    widths = {layer.in_features for layer in linears}
     report = {}
     for rows in ROWS:
-        widths = {layer.in_features for layer in linears}
         feeds = {w: generator.standard_normal((rows, w), dtype=np.float32) for w in widths}
         inputs = [torch.from_numpy(feeds[layer.in_features]) for layer in linears]
         runs = {name: on_kernel(layers, inputs) for name, layers in on_each.items()}
         runs["onnxruntime"] = onnx(feeds)
+        reference = outputs(list(linears), inputs)
+        for name, run in runs.items():
+            check(name, run(), reference, int8)
         best = dict.fromkeys(runs, float("inf"))
         for round_ in range(args.rounds):
             order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
@@ -157,7 +198,8 @@ def main() -> None:
         )
         print(f"{rows:4d} rows: {figures}")
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"threads": args.threads, "rows": report}, indent=2))
+    summary = {"dtype": args.dtype, "threads": args.threads, "rows": report}
+    RESULTS.write_text(json.dumps(summary, indent=2))
     print(f"written to {RESULTS}")
 
 

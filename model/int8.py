@@ -6,8 +6,8 @@ in torch's fbgemm kernels (x86). Everything else (embeddings, attention, LayerNo
 activation functions, pooling and any head) stays in float32. Never chosen by `auto`: it
 trades a little accuracy for speed, and docs/benchmarks.md says how much of each.
 
-On CPUs without VNNI instructions the weights use 7 bits (`NARROW_LEVELS`), so that fbgemm's
-16-bit sums of products cannot saturate; the activations keep their 8 bits.
+On CPUs without AVX-512 VNNI the weights use 7 bits (`NARROW_LEVELS`), so that fbgemm's 16-bit
+sums of products cannot saturate; the activations keep their 8 bits.
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ from torch import Tensor, nn
 from model.frozen import FrozenLinear
 
 INT8 = "int8"
-# CPU flags of instructions that multiply 8-bit integers without saturating (VNNI).
-VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+# The CPU flag of the instructions (AVX-512 VNNI) that fbgemm multiplies 8-bit integers with,
+# summing into 32 bits, where it has them. AVX-VNNI without AVX-512 (Intel's client CPUs) it
+# does not use: there it runs its AVX2 kernels.
+VNNI_FLAG = "avx512_vnni"
 # Levels each side of zero a weight is quantized to, with one scale per output channel.
 FULL_LEVELS = 127
-# Without VNNI, fbgemm multiplies uint8 activations by int8 weights in pairs summed into 16
-# bits (AVX2's vpmaddubsw), which saturate beyond 32,767: 2 x 255 x 63 fits, 2 x 255 x 127
-# does not. There the weights give up their eighth bit rather than the activations (torch's
+# Elsewhere fbgemm multiplies uint8 activations by int8 weights in pairs summed into 16 bits
+# (vpmaddubsw), which saturate beyond 32,767: 2 x 255 x 63 fits, 2 x 255 x 127 does not.
+# There the weights give up their eighth bit rather than the activations (torch's
 # `reduce_range`, whose one scale covers a whole tensor): all-MiniLM-L6-v2 measured much
 # closer to float32 so (docs/benchmarks.md).
 NARROW_LEVELS = 63
@@ -88,7 +90,7 @@ def int8_unavailable(device: torch.device) -> str | None:
 
 def weight_levels(cpu_flags: frozenset[str]) -> int:
     """The levels a weight may use on a CPU with these flags."""
-    return FULL_LEVELS if any(flag in cpu_flags for flag in VNNI_FLAGS) else NARROW_LEVELS
+    return FULL_LEVELS if VNNI_FLAG in cpu_flags else NARROW_LEVELS
 
 
 def quantize_linears(network: nn.Module, levels: int) -> int:

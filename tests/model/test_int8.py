@@ -15,7 +15,7 @@ from model.errors import ConfigError
 from model.int8 import (
     FULL_LEVELS,
     NARROW_LEVELS,
-    VNNI_FLAGS,
+    VNNI_FLAG,
     Int8Linear,
     int8_unavailable,
     quantize_linears,
@@ -49,7 +49,7 @@ def test_minilm_in_int8_stays_close_to_float32(minilm: Embedder) -> None:
 @pytest.mark.parametrize(("levels", "bound"), [(FULL_LEVELS, 0.015), (NARROW_LEVELS, 0.02)])
 def test_int8_linear_is_close_to_the_float_layer(levels: int, bound: float) -> None:
     if levels > weight_levels(cpu_flags()):
-        pytest.skip("no VNNI on this CPU: full-range weights saturate fbgemm's 16-bit sums")
+        pytest.skip("no AVX-512 VNNI here: full-range weights saturate fbgemm's 16-bit sums")
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)
     quantized = Int8Linear(linear, levels)
@@ -64,8 +64,7 @@ def test_int8_linear_is_close_to_the_float_layer(levels: int, bound: float) -> N
 @needs_int8
 @pytest.mark.parametrize("levels", [FULL_LEVELS, NARROW_LEVELS])
 def test_packed_weights_keep_within_their_levels(levels: int) -> None:
-    """Each output channel's largest weight lands on the top level, none beyond: on a CPU
-    without VNNI, 63 keeps every pair of products within 16 bits."""
+    """Each output channel's largest weight lands on the top level, none beyond."""
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)
     quantized = Int8Linear(linear, levels)
@@ -74,10 +73,25 @@ def test_packed_weights_keep_within_their_levels(levels: int) -> None:
     assert torch.equal(top, torch.full_like(top, levels))
 
 
-def test_weights_narrow_where_the_cpu_lacks_vnni() -> None:
+@needs_int8
+def test_the_largest_products_do_not_saturate_at_this_cpus_levels() -> None:
+    """Equal positive activations quantize to 255 and equal positive weights to the top
+    level, so every product is the largest there is and the result is exact, unless the
+    kernel's sums saturate (16-bit pairs without AVX-512 VNNI, at full levels)."""
+    linear = nn.Linear(64, 4, bias=False)
+    with torch.no_grad():
+        linear.weight.fill_(0.5)
+    quantized = Int8Linear(linear, weight_levels(cpu_flags()))
+    x = torch.full((2, 64), 3.0)
+    with torch.inference_mode():
+        assert torch.allclose(quantized(x), linear(x), rtol=1e-5), quantized(x)
+
+
+def test_weights_narrow_where_fbgemm_has_no_avx512_vnni() -> None:
     assert weight_levels(frozenset({"avx2", "fma"})) == NARROW_LEVELS
-    for vnni in VNNI_FLAGS:
-        assert weight_levels(frozenset({"avx2", vnni})) == FULL_LEVELS
+    assert weight_levels(frozenset({"avx2", "avx_vnni"})) == NARROW_LEVELS  # AVX2 kernels
+    assert weight_levels(frozenset({"avx512f", "avx512bw"})) == NARROW_LEVELS  # Skylake-SP
+    assert weight_levels(frozenset({"avx512f", VNNI_FLAG, "amx_int8"})) == FULL_LEVELS
 
 
 @needs_int8
