@@ -9,13 +9,14 @@ knows: oneDNN's on its prepacked weight, MKL's on its packed weight (where torch
 and torch's `F.linear`, whatever the encoder's own choice on this CPU (printed). ONNX Runtime
 runs the same weights and biases as one graph of MatMul and Add nodes, on the same inputs and
 threads, one node at a time (ORT_SEQUENTIAL; it may order independent nodes its own way).
-Every engine's outputs are first checked against `F.linear`'s. Each set is timed on 1, 16 (one
-sentence), 32 and 512 rows (a batch), in rounds that alternate the order of the engines, each
-engine's median call per round and its best round kept; each ratio is a kernel's time over
-ONNX Runtime's. `--dtype int8` runs the products as `--dtype int8` does (model/int8.py:
-fbgemm, activations quantized per call) against ONNX Runtime's `quantize_dynamic` of the same
-graph, as bench.onnx_compare quantizes the model. Needs the bench extra (onnxruntime, onnx);
-not in CI.
+Every engine's outputs are first compared with `F.linear`'s: float32's must agree to their
+rounding; int8's worst error (relative norm of the difference, on these random inputs) is
+printed. Each set is timed on 1, 16 (one sentence), 32 and 512 rows (a batch), in rounds that
+alternate the order of the engines, each engine's median call per round and its best round
+kept; each ratio is a kernel's time over ONNX Runtime's. `--dtype int8` runs the products as
+`--dtype int8` does (model/int8.py: fbgemm, activations quantized per call) against ONNX
+Runtime's `quantize_dynamic` of the same graph, as bench.onnx_compare quantizes the model.
+Needs the bench extra (onnxruntime, onnx); not in CI.
 Usage: python -m bench.products [--dtype float32|int8] [--threads 2] [--rounds 5] [--calls 20]
 """
 
@@ -40,6 +41,8 @@ from model.prepacked import MklLinear, OnednnLinear, kernel_names
 
 RESULTS = Path(__file__).resolve().parent / "results" / "products.json"
 ROWS = (1, 16, 32, 512)
+# Float32 kernels differ from F.linear by rounding; a weight laid out wrong, by its whole size.
+FLOAT32_ERROR = 1e-4
 Run = Callable[[], object]
 
 
@@ -145,13 +148,14 @@ def on_kernel(layers: list[nn.Module], inputs: list[torch.Tensor]) -> Run:
     return lambda: outputs(layers, inputs)
 
 
-def check(name: str, outputs: object, reference: list[np.ndarray], int8: bool) -> None:
-    """A kernel's outputs against F.linear's: to float32's rounding, or int8's error."""
+def worst_error(outputs: object, reference: list[np.ndarray]) -> float:
+    """The largest relative difference (norm of the difference over the norm) of an engine's
+    products from F.linear's."""
     assert isinstance(outputs, list)
-    for index, (got, expected) in enumerate(zip(outputs, reference, strict=True)):
-        error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
-        if error > (0.05 if int8 else 1e-4):
-            raise SystemExit(f"{name}: product {index} is {error:.2g} off F.linear's")
+    return max(
+        float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
+        for got, expected in zip(outputs, reference, strict=True)
+    )
 
 
 def main() -> None:
@@ -185,18 +189,23 @@ def main() -> None:
         runs = {name: on_kernel(layers, inputs) for name, layers in on_each.items()}
         runs["onnxruntime"] = onnx(feeds)
         reference = outputs(list(linears), inputs)
-        for name, run in runs.items():
-            check(name, run(), reference, int8)
+        errors = {name: worst_error(run(), reference) for name, run in runs.items()}
+        if not int8 and max(errors.values()) > FLOAT32_ERROR:
+            raise SystemExit(f"an engine's products differ from F.linear's: {errors}")
         best = dict.fromkeys(runs, float("inf"))
         for round_ in range(args.rounds):
             order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
             for name in order:
                 best[name] = min(best[name], median_ms(runs[name], args.calls))
-        report[rows] = best
+        report[rows] = {"ms": best, "worst_error": errors}
         figures = ", ".join(
             f"{name} {ms:.2f} ms ({ms / best['onnxruntime']:.2f}x)" for name, ms in best.items()
         )
         print(f"{rows:4d} rows: {figures}")
+        if int8:
+            print(
+                "   worst product's error: " + ", ".join(f"{n} {e:.3f}" for n, e in errors.items())
+            )
     RESULTS.parent.mkdir(exist_ok=True)
     summary = {"dtype": args.dtype, "threads": args.threads, "rows": report}
     RESULTS.write_text(json.dumps(summary, indent=2))
