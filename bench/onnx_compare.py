@@ -87,13 +87,19 @@ def quantize(model: Path, target: Path) -> Path:
     return target
 
 
-def onnx_runtime(model: Path, tokenizer_file: Path, threads: int, max_length: int) -> Encode:
+def session(model: Path, threads: int) -> Any:
+    """An ONNX Runtime CPU session on `threads` threads, one node at a time (its default,
+    sequential mode)."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    session = onnxruntime.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    return onnxruntime.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+
+
+def onnx_runtime(model: Path, tokenizer_file: Path, threads: int, max_length: int) -> Encode:
+    runs = session(model, threads)
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     tokenizer.enable_truncation(max_length)
     tokenizer.enable_padding()
@@ -105,7 +111,7 @@ def onnx_runtime(model: Path, tokenizer_file: Path, threads: int, max_length: in
         ids = np.array([e.ids for e in encodings], dtype=np.int64)
         mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
         feeds = {"ids": ids, "mask": mask, "types": np.zeros_like(ids)}
-        vectors: np.ndarray = session.run(None, feeds)[0]
+        vectors: np.ndarray = runs.run(None, feeds)[0]
         return vectors
 
     return encode

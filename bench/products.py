@@ -8,7 +8,7 @@ are not chained: there is no attention between them), on each kernel model/prepa
 knows: oneDNN's on its prepacked weight, MKL's on its packed weight (where torch has MKL),
 and torch's `F.linear`, whatever the encoder's own choice on this CPU (printed). ONNX Runtime
 runs the same weights and biases as one graph of MatMul and Add nodes, on the same inputs and
-threads, one node at a time (ORT_SEQUENTIAL; it may order independent nodes its own way).
+threads, one node at a time (it may order independent nodes its own way).
 Every engine's outputs are first compared with `F.linear`'s: float32's must agree to their
 rounding; int8's worst error (relative norm of the difference, on these random inputs) is
 printed. Each set is timed on 1, 16 (one sentence), 32 and 512 rows (a batch), in rounds that
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from bench.onnx_compare import quantize, session
 from model import DEFAULT_MODEL_ID, Embedder
 from model.device import cpu_flags
 from model.int8 import Int8Linear, weight_levels
@@ -43,7 +44,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "products.json"
 ROWS = (1, 16, 32, 512)
 # Float32 kernels differ from F.linear by rounding; a weight laid out wrong, by its whole size.
 FLOAT32_ERROR = 1e-4
-Run = Callable[[], object]
+Run = Callable[[], list[np.ndarray]]
 
 
 def encoder_linears(embedder: Embedder) -> list[nn.Linear]:
@@ -72,10 +73,9 @@ def onnx_products(
     weights: list[tuple[np.ndarray, np.ndarray]], threads: int, int8: bool
 ) -> Callable[[Feeds], Run]:
     """A session of one MatMul and Add per product, in order (quantized by ONNX Runtime's
-    `quantize_dynamic` for int8), and a factory of its runs."""
-    import onnxruntime
+    `quantize_dynamic` for int8, as bench.onnx_compare quantizes the model), and a factory
+    of its runs."""
     from onnx import TensorProto, helper, numpy_helper
-    from onnxruntime.quantization import QuantType, quantize_dynamic
 
     nodes, initializers, outputs = [], [], []
     widths = sorted({weight.shape[0] for weight, _ in weights})
@@ -94,22 +94,16 @@ def onnx_products(
     ]
     graph = helper.make_graph(nodes, "products", inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    serialized = model.SerializeToString()
-    if int8:
-        with tempfile.TemporaryDirectory() as work:
-            exact, quantized = Path(work) / "products.onnx", Path(work) / "products-int8.onnx"
-            exact.write_bytes(serialized)
-            quantize_dynamic(str(exact), str(quantized), weight_type=QuantType.QInt8)
-            serialized = quantized.read_bytes()
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
-    session = onnxruntime.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
+    with tempfile.TemporaryDirectory() as work:
+        path = Path(work) / "products.onnx"
+        path.write_bytes(model.SerializeToString())
+        if int8:
+            path = quantize(path, Path(work) / "products-int8.onnx")
+        runs = session(path, threads)
 
     def run(feeds: Feeds) -> Run:
         named = {f"x{width}": feeds[width] for width in widths}
-        return lambda: session.run(None, named)
+        return lambda: runs.run(None, named)
 
     return run
 
@@ -148,10 +142,9 @@ def on_kernel(layers: list[nn.Module], inputs: list[torch.Tensor]) -> Run:
     return lambda: outputs(layers, inputs)
 
 
-def worst_error(outputs: object, reference: list[np.ndarray]) -> float:
+def worst_error(outputs: list[np.ndarray], reference: list[np.ndarray]) -> float:
     """The largest relative difference (norm of the difference over the norm) of an engine's
     products from F.linear's."""
-    assert isinstance(outputs, list)
     return max(
         float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
         for got, expected in zip(outputs, reference, strict=True)
