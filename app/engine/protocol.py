@@ -70,7 +70,10 @@ SparseVector = tuple[IntArray, FloatArray]
 Output = FloatArray | SparseVector
 
 
-@dataclass(frozen=True, slots=True)
+# ItemResult and Outcome are not frozen, though nothing changes one once made: they are
+# made per input and per request, in an engine and again in a front end, and a frozen
+# dataclass's __init__ costs four times a plain one's (model/tokenizer.py's Encoded).
+@dataclass(slots=True)
 class ItemResult:
     """One input's outputs, finished."""
 
@@ -90,7 +93,7 @@ class ItemResult:
         return self.output
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outcome:
     """A request's results, in input order, with its longest queue wait and forward pass."""
 

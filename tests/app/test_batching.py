@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import multiprocessing
 import queue
 import threading
@@ -188,7 +189,13 @@ def make_ticket(*lengths: int, wants: Wants | None = None) -> Ticket:
 
 def make_items(lengths: list[int], wants: Wants | None = None) -> list[WorkItem]:
     """One ticket per input, as if each came in its own request."""
-    return [make_ticket(n, wants=wants).items[0] for n in lengths]
+    return [make_ticket(n, wants=wants).work_items()[0] for n in lengths]
+
+
+def tickets(batch: list[WorkItem] | None) -> list[Ticket] | None:
+    """A batch as the requests whose inputs it holds: the queue makes work items of its own
+    from a ticket (`Ticket.work_items`), so those of `make_items` are never in a batch."""
+    return None if batch is None else [item.ticket for item in batch]
 
 
 def make_batcher(embedder: Embedder, **overrides: float) -> Batcher:
@@ -334,6 +341,33 @@ async def test_live_and_metrics_answer_while_a_batch_runs(tiny_checkpoint: Path)
     assert live.status_code == 200 and metrics.status_code == 200
 
 
+def test_an_answered_batch_leaves_nothing_for_the_cycle_collector(
+    tiny_embedder: Embedder,
+) -> None:
+    """An engine makes a ticket, work items and results for every input: they are freed by
+    their reference counts once answered. In a reference cycle they would wait for the cycle
+    collector, whose passes over them cost an engine more CPU per input than reading the
+    request does (docs/benchmarks.md)."""
+    batcher = make_batcher(tiny_embedder)
+    answered: list[object] = []
+    batcher.deliver = answered.extend
+    deadline = time.perf_counter() + 30
+    gc.collect()
+    gc.disable()
+    try:
+        for text in ("hello", "hello world"):
+            batcher.submit(Ticket(tiny_embedder.tokenize([text]), Wants(), deadline, None))
+        batch = batcher._next_batch()
+        assert batch is not None
+        batcher._execute(batch)
+        assert len(answered) == 2
+        del batch
+        answered.clear()
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
 def test_input_abandoned_during_the_batch_wait_does_not_run(
     tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -353,7 +387,7 @@ def test_input_abandoned_during_the_batch_wait_does_not_run(
     first.ticket.abandoned = True  # its client gives up meanwhile
     batcher.submit(second.ticket)  # the batch is full: the wait ends
     worker.join(timeout=10)
-    assert chosen == [[second]]
+    assert [tickets(batch) for batch in chosen] == [[second.ticket]]
 
 
 def test_a_worker_whose_queue_empties_without_a_pass_writes_its_figures(
@@ -397,11 +431,11 @@ def test_the_batch_wait_follows_how_many_clients_the_last_batch_served(
     for item in (lone, again):  # one client, one request after the other
         batcher.submit(item.ticket)
         started = time.perf_counter()
-        assert batcher._next_batch() == [item]
+        assert tickets(batcher._next_batch()) == [item.ticket]
         assert time.perf_counter() - started < 5
     batcher.submit(one.ticket)
     batcher.submit(other.ticket)
-    assert batcher._next_batch() == [one, other]  # two clients served together
+    assert tickets(batcher._next_batch()) == [one.ticket, other.ticket]  # served together
     batcher.submit(first.ticket)
     chosen: list[list[WorkItem] | None] = []
     worker = threading.Thread(target=lambda: chosen.append(batcher._next_batch()))
@@ -410,7 +444,7 @@ def test_the_batch_wait_follows_how_many_clients_the_last_batch_served(
     assert chosen == []  # waiting for the other client to come back
     batcher.submit(second.ticket)
     worker.join(timeout=10)
-    assert chosen == [[first, second]]
+    assert [tickets(batch) for batch in chosen] == [[first.ticket, second.ticket]]
 
 
 def test_the_batch_wait_ends_once_the_last_batch_s_clients_are_back(
@@ -424,11 +458,11 @@ def test_the_batch_wait_ends_once_the_last_batch_s_clients_are_back(
     one, other, first, second = make_items([4, 4, 5, 5])
     batcher.submit(one.ticket)
     batcher.submit(other.ticket)
-    assert batcher._next_batch() == [one, other]  # two clients served together
+    assert tickets(batcher._next_batch()) == [one.ticket, other.ticket]  # served together
     batcher.submit(first.ticket)
     batcher.submit(second.ticket)
     started = time.perf_counter()
-    assert batcher._next_batch() == [first, second]
+    assert tickets(batcher._next_batch()) == [first.ticket, second.ticket]
     assert time.perf_counter() - started < 5  # far below the 30 s quiet gap
 
 
@@ -485,7 +519,7 @@ def test_a_worker_that_reads_its_own_arrivals_batches_them_and_sees_a_stop(
         worker.join(timeout=10)
         assert readers == {worker.ident}
         readers.clear()
-    assert chosen == [[first, second], None]
+    assert [tickets(batch) for batch in chosen] == [[first.ticket, second.ticket], None]
     assert batcher_module.IDLE_POLL in waits  # idle: reads with a bounded wait
 
 
@@ -502,7 +536,7 @@ def test_with_a_pass_running_the_worker_reads_before_it_chooses(tiny_embedder: E
             batcher.submit(item.ticket)
 
     batcher.take_from(intake)
-    assert batcher._next_batch(wait=False) == [item]
+    assert tickets(batcher._next_batch(wait=False)) == [item.ticket]
     assert batcher._next_batch(wait=False) == [] and polls == [0, 0]
 
 
