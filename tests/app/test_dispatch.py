@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi import FastAPI
+from starlette.types import Message
 
 from app.dispatch import post_routes
 from app.errors import (
@@ -18,7 +21,7 @@ from app.errors import (
 from app.main import PROTECTED_ROUTERS
 from app.parsing import parse_body
 from app.schemas import DecodeRequest, EmbedRequest, PredictRequest, RerankRequest
-from tests.app.conftest import make_settings, running_app
+from tests.app.conftest import Placement, make_settings, running_app
 
 JSON = "application/json"
 
@@ -104,3 +107,53 @@ async def test_the_schema_still_says_what_is_refused(tiny_checkpoint: Path) -> N
 
 def test_a_byte_order_mark_is_ignored() -> None:
     assert parse_body(EmbedRequest, b'\xef\xbb\xbf{"inputs": "a"}', JSON).inputs == "a"
+
+
+async def post_directly(app: FastAPI, path: str, body: bytes) -> int:
+    """One POST through the app's ASGI interface, with no client's objects around it; its
+    status."""
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(b"content-type", JSON.encode()), (b"content-length", b"%d" % len(body))],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("test", 80),
+        "client": ("test", 1),
+        "root_path": "",
+    }
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    status: int = sent[0]["status"]
+    return status
+
+
+@pytest.mark.anyio
+async def test_a_request_leaves_nothing_for_the_cycle_collector(
+    tiny_checkpoint: Path, placement: Placement
+) -> None:
+    """What the front end makes for a request is freed by reference counts when it is
+    answered: objects in a reference cycle wait for the cycle collector, whose passes cost
+    the server CPU on every request (the engine's side: tests/app/test_batching.py)."""
+    async with running_app(make_settings(tiny_checkpoint), placement) as (app, _):
+        embed = ("/embed", b'{"inputs": ["hello world", "fox"]}')
+        openai = ("/v1/embeddings", b'{"input": ["hello world", "fox"]}')
+        assert await post_directly(app, *embed) == 200  # first-call caches filled
+        gc.collect()
+        gc.disable()
+        try:
+            for path, body in (embed, openai, embed, openai):
+                assert await post_directly(app, path, body) == 200
+            assert gc.collect() == 0
+        finally:
+            gc.enable()
