@@ -5,7 +5,8 @@ balancers to notice) new inference gets 503 too; accepted requests finish (up to
 --shutdown-grace seconds), then the server exits 0. A second signal exits at once, with 128 +
 the signal's number.
 Worst case from the first signal to the exit: drain_delay + shutdown_grace, then up to
-CLOSE_GRACE seconds for uvicorn to close connections, then up to 2 s for the worker thread.
+CLOSE_GRACE seconds for uvicorn to close connections, then the forward pass in progress, if
+clients that left are all it still serves (up to shutdown_grace again).
 """
 
 from __future__ import annotations

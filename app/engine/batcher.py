@@ -265,11 +265,12 @@ class Batcher:
         self._worker = compute.submit(self._run)
 
     def stop(self, timeout: float = 2.0) -> None:
+        """The worker ends once its pass in progress does; waits up to `timeout` seconds."""
         with self._condition:
             self._stopping = True
             self._condition.notify_all()
-        if self._worker is not None:
-            wait([self._worker], timeout)
+        if self._worker is not None and wait([self._worker], timeout).not_done:
+            log.warning("the batch worker is still in a forward pass after %g s", timeout)
 
     # Admission (the event loop in process; the worker itself, reading, in an engine process)
     def submit(self, ticket: Ticket, within: float | None = None) -> None:

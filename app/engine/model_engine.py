@@ -179,8 +179,11 @@ class ModelEngine:
         return self.batcher is not None and self.batcher.alive
 
     def stop(self) -> None:
-        """The worker ends after its batch in progress; then the compute thread."""
+        """The worker ends after its batch in progress, given up to `shutdown_grace`: the
+        drain waits for requests, but a pass whose clients all left still runs, and a process
+        that exits while torch's threads are inside a pass aborts (SIGABRT). Then the compute
+        thread."""
         if self.batcher is not None:
-            self.batcher.stop()
+            self.batcher.stop(self.settings.shutdown_grace)
         if self.compute is not None:
             self.compute.close()

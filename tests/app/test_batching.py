@@ -329,6 +329,23 @@ async def test_a_lone_input_does_not_wait_out_the_batch_wait(tiny_embedder: Embe
         compute.close()
 
 
+async def test_a_stop_waits_for_the_pass_in_progress(tiny_checkpoint: Path) -> None:
+    """A pass still runs at the exit when clients that left are all it serves (the drain
+    waits for requests, not for them): the engine waits for it, up to the shutdown grace, as
+    a process that exits while torch's threads are inside a pass aborts (SIGABRT)."""
+    async with running_app(make_settings(tiny_checkpoint, shutdown_grace=30)) as (app, client):
+        gate = GatedForward(service_of(app))
+        held = await gate.hold(client)  # the worker is inside a forward pass
+        model = local_engine(app).model
+        stopping = asyncio.create_task(asyncio.to_thread(model.stop))
+        await asyncio.sleep(3)  # longer than the 2 s the stop used to give it
+        assert not stopping.done() and model.alive
+        gate.gate.set()
+        await asyncio.wait_for(stopping, timeout=10)
+        assert not model.alive
+        assert (await held).status_code == 200  # its pass finished and was answered
+
+
 async def test_live_and_metrics_answer_while_a_batch_runs(tiny_checkpoint: Path) -> None:
     async with running_app(make_settings(tiny_checkpoint)) as (app, client):
         gate = GatedForward(service_of(app))
