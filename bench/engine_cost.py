@@ -128,6 +128,7 @@ def engine_socket(run_parent: Path) -> Path:
 
 def run_round(
     target: Target,
+    pin: Sequence[str],
     model: Path,
     extra: Sequence[str],
     messages: Sequence[bytes],
@@ -136,7 +137,7 @@ def run_round(
     """A fresh server: this machine's speed drifts, and one process's speed is a draw."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="engine-cost-") as run_parent:
-        command = ["env", f"TMPDIR={run_parent}", *pinning(), sys.executable, "-m", "app"]
+        command = ["env", f"TMPDIR={run_parent}", *pin, sys.executable, "-m", "app"]
         command += ["--model-id", str(model), "--devices", "cpu", "--dtype", "float32"]
         command += ["--threads", "1", "--host", "127.0.0.1", "--port", str(port)]
         command += ["--log-level", "warning", "--placement", "split", *extra]
@@ -180,7 +181,8 @@ def main() -> None:
     parser.add_argument("--against", metavar="REVISION", help="a git revision's engine too")
     parser.add_argument("server", nargs="*", help="after --, flags for the server")
     args = parser.parse_args()
-    os.sched_setaffinity(0, {int(WRK_CORE)})  # the server's core is pinning()'s other one
+    pin = pinning()  # the server's core, before this process takes wrk's
+    os.sched_setaffinity(0, {int(WRK_CORE)})
     with tempfile.TemporaryDirectory() as folder, ExitStack() as stack:
         model = make_tiny_model(Path(folder) / "tiny")
         messages = submissions(model)
@@ -192,7 +194,7 @@ def main() -> None:
         rounds: dict[str, list[Round]] = {target.name: [] for target in every}
         for round_index in range(args.rounds):  # alternating, so that drift hits all alike
             for target in turns(every, round_index):
-                done = run_round(target, model, args.server, messages, args)
+                done = run_round(target, pin, model, args.server, messages, args)
                 rounds[target.name].append(done)
                 print(
                     f"{target.name}: {done.inputs / done.seconds:7.0f} inputs/s, "
