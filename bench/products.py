@@ -12,7 +12,7 @@ threads, one node at a time (it may order independent nodes its own way).
 Every engine's outputs are first compared with `F.linear`'s: float32's must agree to their
 rounding; int8's worst error (relative norm of the difference, on these random inputs) is
 printed. Each set is timed on 1, 16 (one sentence), 32 and 512 rows (a batch), in rounds that
-alternate the order of the engines, each engine's median call per round and its best round
+rotate the order of the engines, each engine's median call per round and its best round
 kept; each ratio is a kernel's time over ONNX Runtime's. `--dtype int8` runs the products as
 `--dtype int8` does (model/int8.py: fbgemm, activations quantized per call) against ONNX
 Runtime's `quantize_dynamic` of the same graph, as bench.onnx_compare quantizes the model.
@@ -35,10 +35,11 @@ import torch
 from torch import nn
 
 from bench.onnx_compare import quantize, session
+from bench.side_by_side import turns
 from model import DEFAULT_MODEL_ID, Embedder
 from model.device import cpu_flags
 from model.int8 import Int8Linear, weight_levels
-from model.prepacked import MklLinear, OnednnLinear, kernel_names
+from model.prepacked import MklLinear, OnednnLinear, packed_twin
 
 RESULTS = Path(__file__).resolve().parent / "results" / "products.json"
 ROWS = (1, 16, 32, 512)
@@ -166,9 +167,9 @@ def main() -> None:
     on_each = kernels(linears, int8)
     if int8:
         choice = f"int8, weights within +-{weight_levels(cpu_flags())}"
-    else:
-        served = Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype="float32")
-        choice = kernel_names(served.network) or "F.linear"
+    else:  # what prepack_linears would swap each layer for
+        twins = {type(twin).__name__ for twin in map(packed_twin, linears) if twin is not None}
+        choice = ", ".join(sorted(twins)) or "F.linear"
     print(
         f"{len(linears)} linear products of {DEFAULT_MODEL_ID}, {args.dtype}, {args.threads} "
         f"threads; the encoder runs them here on: {choice}"
@@ -186,9 +187,8 @@ def main() -> None:
         if not int8 and max(errors.values()) > FLOAT32_ERROR:
             raise SystemExit(f"an engine's products differ from F.linear's: {errors}")
         best = dict.fromkeys(runs, float("inf"))
-        for round_ in range(args.rounds):
-            order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
-            for name in order:
+        for round_index in range(args.rounds):
+            for name in turns(list(runs), round_index):
                 best[name] = min(best[name], median_ms(runs[name], args.calls))
         report[rows] = {"ms": best, "worst_error": errors}
         figures = ", ".join(
