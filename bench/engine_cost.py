@@ -28,9 +28,10 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import msgspec
 from tokenizers import Tokenizer
 
-from app.engine.wire import Frames, Submit, framed, reply_decoder
+from app.engine.wire import Answers, Frames, Submit, framed, reply_decoder
 from bench.serving_cost import (
     DIMENSION,
     FORWARD_SECONDS,
@@ -84,12 +85,20 @@ class EngineClient:
 
     def replies(self) -> int:
         """Waits for replies; how many came, each checked."""
-        arrived = self.frames.feed(self.sock.recv(1 << 20))
-        for message in arrived:
-            reply = reply_decoder.decode(message)
-            if reply.failure is not None or len(reply.vectors or b"") != VECTOR_BYTES:
-                raise SystemExit(f"the engine answered request {reply.request}: {reply!r}")
-        return len(arrived)
+        answered = 0
+        for raw in self.frames.feed(self.sock.recv(1 << 20)):
+            try:
+                message = reply_decoder.decode(raw)
+            except msgspec.ValidationError as exc:
+                raise SystemExit(
+                    "the engine speaks another wire protocol than this checkout's (an --against "
+                    f"revision from before app/engine/wire.py's Answers?): {exc}"
+                ) from exc
+            count = len(message.requests) if isinstance(message, Answers) else 0
+            if not count or len(message.vectors or b"") != count * VECTOR_BYTES:
+                raise SystemExit(f"the engine answered: {message!r}")
+            answered += count
+        return answered
 
     def drive(self, seconds: float, in_flight: int) -> int:
         """Keeps `in_flight` requests outstanding for `seconds`, then waits for the last

@@ -30,9 +30,9 @@ from app.engine.state import EngineBoard
 from app.engine.wire import (
     Abort,
     Frames,
+    answers,
     failure_reply,
     framed,
-    outcome_reply,
     submitted,
     to_engine_decoder,
 )
@@ -217,20 +217,22 @@ class EngineProcess:
             frontend.write(b"".join(failures))
 
     def _deliver(self, deliveries: list[Delivery]) -> None:
-        """The batch's replies, one write per front end."""
-        replies: dict[FrontEnd, list[bytes]] = {}
+        """The batch's replies, one write per front end: its failures, and one message for
+        all its finished requests (of each kind of result)."""
+        finished: dict[FrontEnd, list[tuple[int, Outcome]]] = {}
+        failures: dict[FrontEnd, list[bytes]] = {}
         for ticket, outcome in deliveries:
             key: Key = ticket.reply_to  # type: ignore[assignment]
             if self.tickets.pop(key, None) is None:  # aborted meanwhile
                 continue
             frontend, request = key
-            reply = (
-                outcome_reply(request, outcome)
-                if isinstance(outcome, Outcome)
-                else failure_reply(request, outcome)
-            )
-            replies.setdefault(frontend, []).append(framed(reply))
-        for frontend, messages in replies.items():
+            if isinstance(outcome, Outcome):
+                finished.setdefault(frontend, []).append((request, outcome))
+            else:
+                failures.setdefault(frontend, []).append(framed(failure_reply(request, outcome)))
+        for frontend in finished.keys() | failures.keys():
+            messages = failures.get(frontend, [])
+            messages += [framed(message) for message in answers(finished.get(frontend, []))]
             frontend.write(b"".join(messages))
 
     def _drain(self) -> None:

@@ -59,10 +59,6 @@ class Wants:
         """Whether the forward pass must hand back its token vectors."""
         return self.token_embeddings or self.late is not None
 
-    def results(self, inputs: int) -> int:
-        """How many results a request of `inputs` inputs gets back."""
-        return inputs if self.late is None else len(self.late)
-
 
 # A task's finished output for one input (app/tasks/): a vector (an embedding's, cut and
 # normalised as asked, or a classifier's logits), or SPLADE's vocabulary ids and weights.

@@ -22,7 +22,16 @@ from typing import cast
 
 from app.engine.protocol import Admission, Outcome, Wants
 from app.engine.state import EngineBoard
-from app.engine.wire import Abort, Frames, framed, reply_decoder, reply_outcome, submit_message
+from app.engine.wire import (
+    Abort,
+    Failed,
+    Frames,
+    failure_error,
+    framed,
+    outcomes,
+    reply_decoder,
+    submit_message,
+)
 from app.errors import BackendError, ServiceError
 from model.codec import ModelCard
 from model.tokenizer import Encoded
@@ -35,14 +44,11 @@ def engine_address(run_dir: Path, engine: int) -> Path:
 
 
 class RemotePending:
-    __slots__ = ("count", "engine", "future", "request")
+    __slots__ = ("engine", "future", "request")
 
-    def __init__(
-        self, engine: EngineLink, request: int, count: int, future: asyncio.Future[Outcome]
-    ) -> None:
+    def __init__(self, engine: EngineLink, request: int, future: asyncio.Future[Outcome]) -> None:
         self.engine = engine
         self.request = request
-        self.count = count
         self.future = future
 
     def abort(self, error: ServiceError) -> None:
@@ -82,16 +88,22 @@ class EngineLink(asyncio.Protocol):
         self._outgoing.clear()
 
     def data_received(self, data: bytes) -> None:
-        for message in self._frames.feed(data):
-            reply = reply_decoder.decode(message)
-            pending = self.pending.pop(reply.request, None)
-            if pending is None or pending.future.done():  # aborted meanwhile
+        for raw in self._frames.feed(data):
+            message = reply_decoder.decode(raw)
+            if isinstance(message, Failed):
+                self._resolve(message.request, failure_error(message))
                 continue
-            outcome = reply_outcome(reply, pending.count)
-            if isinstance(outcome, ServiceError):
-                pending.future.set_exception(outcome)
-            else:
-                pending.future.set_result(outcome)
+            for request, outcome in outcomes(message):
+                self._resolve(request, outcome)
+
+    def _resolve(self, request: int, outcome: Outcome | ServiceError) -> None:
+        pending = self.pending.pop(request, None)
+        if pending is None or pending.future.done():  # aborted meanwhile
+            return
+        if isinstance(outcome, ServiceError):
+            pending.future.set_exception(outcome)
+        else:
+            pending.future.set_result(outcome)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -155,9 +167,7 @@ class RemoteEngine:
         left = deadline - time.perf_counter()
         self._admit(engine, sum(len(e.ids) for e in encoded), left)
         request = next(self._requests)
-        pending = RemotePending(
-            link, request, wants.results(len(encoded)), self._loop.create_future()
-        )
+        pending = RemotePending(link, request, self._loop.create_future())
         link.pending[request] = pending
         link.send(framed(submit_message(request, left, encoded, wants)))
         return pending

@@ -2,8 +2,9 @@
 each framed by its length on a Unix stream socket.
 
 Front end to engine: `Submit` (one request's token ids and what it wants back) and `Abort`.
-Engine to front end: `Reply`, whose arrays travel as raw little-endian bytes and become numpy
-views on the front end, never Python lists. No torch here.
+Engine to front end: `Answers` (every request a batch finished for that front end, at once)
+and `Failed`. Arrays travel as raw little-endian bytes and become numpy views on the front
+end, never Python lists. No torch here.
 """
 
 from __future__ import annotations
@@ -76,31 +77,39 @@ class Abort(msgspec.Struct, array_like=True, tag=1):
     request: int
 
 
-class Failure(msgspec.Struct, array_like=True):
+class Failed(msgspec.Struct, array_like=True, tag=0):
+    """One request refused (429) or failed."""
+
+    request: int
     error_type: str
     message: str
     retry_after: int = 0
 
 
-class Reply(msgspec.Struct, array_like=True):
-    request: int
-    failure: Failure | None = None
-    queue_seconds: float = 0.0
-    inference_seconds: float = 0.0
-    # (N, D): every input's output vector (an embedding's, a classifier's logits).
+class Answers(msgspec.Struct, array_like=True, tag=1):
+    """Requests a batch finished for one front end, whose results have the same parts: one
+    message for them all, so that a batch of single sentences costs both sides one encode,
+    one decode and one set of arrays, not one of each per request. The results' arrays lie
+    one after another in request order."""
+
+    requests: list[int]
+    results: list[int]  # how many results each request has
+    queue_seconds: list[float]  # per request
+    inference_seconds: list[float]
+    # (N, D): every result's output vector (an embedding's, a classifier's logits).
     vectors: bytes | None = None
     vector_width: int = 0
     # Late chunking: each document's rows of `vectors`, one per chunk.
     vector_rows: list[int] | None = None
-    # Per-token vectors: every input's rows, one after another, and their counts.
+    # Per-token vectors: every result's rows, one after another, and their counts.
     token_embeddings: bytes | None = None
     token_counts: list[int] | None = None
     hidden_size: int = 0
-    # SPLADE: each input's vocabulary ids and weights, one after another, and their counts.
+    # SPLADE: each result's vocabulary ids and weights, one after another, and their counts.
     sparse_ids: bytes | None = None
     sparse_weights: bytes | None = None
     sparse_counts: list[int] | None = None
-    # Attention: per input, per layer (in `attention_layers` order), one after another.
+    # Attention: per result, per layer (in `attention_layers` order), one after another.
     attention: bytes | None = None
     attention_layers: list[int] | None = None
     attention_shapes: list[list[int]] | None = None
@@ -108,7 +117,7 @@ class Reply(msgspec.Struct, array_like=True):
 
 ToEngine = Submit | Abort
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
-reply_decoder = msgspec.msgpack.Decoder(Reply)
+reply_decoder = msgspec.msgpack.Decoder(Failed | Answers)
 encoder = msgspec.msgpack.Encoder()
 
 
@@ -164,54 +173,75 @@ def _plain_wants(
     return Wants(pooled, normalize, dimensions, token_embeddings)
 
 
-def failure_reply(request: int, error: ServiceError) -> Reply:
+def failure_reply(request: int, error: ServiceError) -> Failed:
     retry_after = error.retry_after if isinstance(error, OverloadedError) else 0
-    return Reply(request, Failure(error.error_type, error.message, retry_after))
+    return Failed(request, error.error_type, error.message, retry_after)
 
 
-def outcome_reply(request: int, outcome: Outcome) -> Reply:
-    items = outcome.items
-    reply = Reply(request, None, outcome.queue_seconds, outcome.inference_seconds)
+def answers(finished: Sequence[tuple[int, Outcome]]) -> list[Answers]:
+    """The engine's side: one message per kind of result among the requests (a batch that
+    mixes pooled vectors with per-token ones, say), in most batches one."""
+    kinds: dict[tuple[object, ...], list[tuple[int, Outcome]]] = {}
+    for request, outcome in finished:
+        kinds.setdefault(_kind(outcome.items[0]), []).append((request, outcome))
+    return [_answers(group) for group in kinds.values()]
+
+
+def _kind(item: ItemResult) -> tuple[object, ...]:
+    """What parts a result has, and so which fields carry it."""
+    output = item.output
+    shape = output.ndim if isinstance(output, np.ndarray) else type(output)
+    attention = tuple(sorted(item.attention)) if item.attention is not None else None
+    return shape, item.token_embeddings is not None, attention
+
+
+def _answers(group: Sequence[tuple[int, Outcome]]) -> Answers:
+    items = [item for _, outcome in group for item in outcome.items]
+    message = Answers(
+        [request for request, _ in group],
+        [len(outcome.items) for _, outcome in group],
+        [outcome.queue_seconds for _, outcome in group],
+        [outcome.inference_seconds for _, outcome in group],
+    )
     first = items[0]
     if isinstance(first.output, np.ndarray):
-        reply.vectors = b"".join(_bytes(item.vector) for item in items)
-        reply.vector_width = first.output.shape[-1]
+        message.vectors = b"".join(_bytes(item.vector) for item in items)
+        message.vector_width = first.output.shape[-1]
         if first.output.ndim == 2:  # late chunking's (chunks, D) per document
-            reply.vector_rows = [len(item.vector) for item in items]
+            message.vector_rows = [len(item.vector) for item in items]
     if first.token_embeddings is not None:
         states = [item.token_embeddings for item in items if item.token_embeddings is not None]
-        reply.token_embeddings = b"".join(_bytes(rows) for rows in states)
-        reply.token_counts = [len(rows) for rows in states]
-        reply.hidden_size = states[0].shape[-1]
+        message.token_embeddings = b"".join(_bytes(rows) for rows in states)
+        message.token_counts = [len(rows) for rows in states]
+        message.hidden_size = states[0].shape[-1]
     if isinstance(first.output, tuple):
         pairs = [item.sparse for item in items]
-        reply.sparse_ids = b"".join(ids.astype(INT64, copy=False).tobytes() for ids, _ in pairs)
-        reply.sparse_weights = b"".join(_bytes(weights) for _, weights in pairs)
-        reply.sparse_counts = [len(ids) for ids, _ in pairs]
+        message.sparse_ids = b"".join(ids.astype(INT64, copy=False).tobytes() for ids, _ in pairs)
+        message.sparse_weights = b"".join(_bytes(weights) for _, weights in pairs)
+        message.sparse_counts = [len(ids) for ids, _ in pairs]
     if first.attention is not None:
         layers = sorted(first.attention)
         maps = [item.attention[layer] for item in items if item.attention for layer in layers]
-        reply.attention = b"".join(_bytes(values) for values in maps)
-        reply.attention_layers = layers
-        reply.attention_shapes = [list(values.shape) for values in maps]
-    return reply
+        message.attention = b"".join(_bytes(values) for values in maps)
+        message.attention_layers = layers
+        message.attention_shapes = [list(values.shape) for values in maps]
+    return message
 
 
-def reply_outcome(reply: Reply, count: int) -> Outcome | ServiceError:
-    """The front end's side: the request's `count` results as views on the reply's bytes."""
-    if reply.failure is not None:
-        return _error(reply.failure)
+def outcomes(message: Answers) -> list[tuple[int, Outcome]]:
+    """The front end's side: each request's results, as views on the message's bytes."""
+    count = sum(message.results)
     vectors: list[np.ndarray] | None = None
-    if reply.vectors is not None and reply.vector_rows is not None:
-        vectors = _split(reply.vectors, reply.vector_rows, reply.vector_width)
-    elif reply.vectors is not None:
-        vectors = list(_rows(reply.vectors, (count, reply.vector_width)))
-    sparse = _sparse(reply)
+    if message.vectors is not None and message.vector_rows is not None:
+        vectors = _split(message.vectors, message.vector_rows, message.vector_width)
+    elif message.vectors is not None:
+        vectors = list(_rows(message.vectors, (count, message.vector_width)))
+    sparse = _sparse(message)
     outputs: list[Output | None] = (
         list(vectors) if vectors is not None else list(sparse) if sparse else [None] * count
     )
-    tokens = _split(reply.token_embeddings, reply.token_counts, reply.hidden_size)
-    attention = _attention(reply, count)
+    tokens = _split(message.token_embeddings, message.token_counts, message.hidden_size)
+    attention = _attention(message, count)
     items = [
         ItemResult(
             outputs[row],
@@ -220,7 +250,16 @@ def reply_outcome(reply: Reply, count: int) -> Outcome | ServiceError:
         )
         for row in range(count)
     ]
-    return Outcome(items, reply.queue_seconds, reply.inference_seconds)
+    done = []
+    for request, (start, stop), queue_seconds, inference_seconds in zip(
+        message.requests,
+        _spans(message.results),
+        message.queue_seconds,
+        message.inference_seconds,
+        strict=True,
+    ):
+        done.append((request, Outcome(items[start:stop], queue_seconds, inference_seconds)))
+    return done
 
 
 def _bytes(array: np.ndarray) -> bytes:
@@ -238,12 +277,16 @@ def _split(data: bytes | None, counts: list[int] | None, width: int) -> list[np.
     return [rows[start:stop] for start, stop in _spans(counts)]
 
 
-def _sparse(reply: Reply) -> list[tuple[np.ndarray, np.ndarray]] | None:
-    if reply.sparse_ids is None or reply.sparse_weights is None or reply.sparse_counts is None:
+def _sparse(message: Answers) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    if (
+        message.sparse_ids is None
+        or message.sparse_weights is None
+        or message.sparse_counts is None
+    ):
         return None
-    ids = np.frombuffer(reply.sparse_ids, dtype=INT64)
-    weights = np.frombuffer(reply.sparse_weights, dtype=FLOAT32)
-    return [(ids[start:stop], weights[start:stop]) for start, stop in _spans(reply.sparse_counts)]
+    ids = np.frombuffer(message.sparse_ids, dtype=INT64)
+    weights = np.frombuffer(message.sparse_weights, dtype=FLOAT32)
+    return [(ids[start:stop], weights[start:stop]) for start, stop in _spans(message.sparse_counts)]
 
 
 def _spans(counts: list[int]) -> list[tuple[int, int]]:
@@ -251,12 +294,16 @@ def _spans(counts: list[int]) -> list[tuple[int, int]]:
     return list(itertools.pairwise(itertools.accumulate(counts, initial=0)))
 
 
-def _attention(reply: Reply, count: int) -> list[dict[int, np.ndarray]] | None:
-    if reply.attention is None or reply.attention_layers is None or not reply.attention_shapes:
+def _attention(message: Answers, count: int) -> list[dict[int, np.ndarray]] | None:
+    if (
+        message.attention is None
+        or message.attention_layers is None
+        or not message.attention_shapes
+    ):
         return None
-    values = np.frombuffer(reply.attention, dtype=FLOAT32)
-    layers = reply.attention_layers
-    shapes = iter(reply.attention_shapes)
+    values = np.frombuffer(message.attention, dtype=FLOAT32)
+    layers = message.attention_layers
+    shapes = iter(message.attention_shapes)
     offset = 0
     per_input: list[dict[int, np.ndarray]] = []
     for _ in range(count):
@@ -270,7 +317,7 @@ def _attention(reply: Reply, count: int) -> list[dict[int, np.ndarray]] | None:
     return per_input
 
 
-def _error(failure: Failure) -> ServiceError:
+def failure_error(failure: Failed) -> ServiceError:
     """An engine refuses work (429) or fails it (500): the two errors it raises."""
     if failure.error_type == OverloadedError.error_type:
         return OverloadedError(failure.message, retry_after=failure.retry_after)

@@ -10,15 +10,20 @@ from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 
 import msgspec
+import numpy as np
 import pytest
 
 from app.engine.batcher import Ticket
 from app.engine.process import EngineProcess, FrontEnd
-from app.engine.protocol import LateDocument, Wants
+from app.engine.protocol import ItemResult, LateDocument, Outcome, Wants
 from app.engine.wire import (
     Abort,
+    Answers,
+    Failed,
     Frames,
+    answers,
     framed,
+    outcomes,
     reply_decoder,
     submit_message,
     submitted,
@@ -91,8 +96,8 @@ def test_a_refused_request_gets_its_429(
     process._read(frontend)
     [message] = Frames().feed(ours.recv(65536))
     reply = reply_decoder.decode(message)
-    assert reply.request == 7 and reply.failure is not None
-    assert reply.failure.error_type == "Overloaded" and reply.failure.retry_after == 1
+    assert isinstance(reply, Failed) and reply.request == 7
+    assert reply.error_type == "Overloaded" and reply.retry_after == 1
     assert process.tickets == {}
 
 
@@ -130,3 +135,57 @@ def test_a_frame_that_is_no_message_stops_the_engine_rather_than_being_skipped(
     ours.sendall(submit(7) + framed(Abort(8))[:4] + b"\xc1 not msgpack")
     with pytest.raises(msgspec.DecodeError):
         process._read(frontend)
+
+
+def vector(*values: float) -> np.ndarray:
+    return np.array(values, dtype=np.float32)
+
+
+def test_a_batchs_requests_cross_in_one_message_per_kind_of_result_and_keep_their_own() -> None:
+    """Plain vectors, per-token vectors with no pooled one, and late chunking's (chunks, D)
+    in one batch: each kind travels in its own message, each request gets its results."""
+    rng = np.random.default_rng(0)
+    plain = [Outcome([ItemResult(vector(i, i + 1))], 0.1 * i, 0.5) for i in range(3)]
+    tokens = Outcome([ItemResult(None, rng.random((n, 4), dtype=np.float32)) for n in (2, 5)], 0, 1)
+    late = Outcome([ItemResult(rng.random((3, 2), dtype=np.float32))], 0.2, 0.7)
+    sent = [(10, plain[0]), (11, tokens), (12, plain[1]), (13, late), (14, plain[2])]
+    messages = answers(sent)
+    assert [m.requests for m in messages] == [[10, 12, 14], [11], [13]]
+    [*raws] = Frames().feed(b"".join(framed(m) for m in messages))
+    got = dict(pair for raw in raws for pair in outcomes(reply_decoder.decode(raw)))
+    assert sorted(got) == [10, 11, 12, 13, 14]
+    for request, outcome in sent:
+        back = got[request]
+        assert (back.queue_seconds, back.inference_seconds) == (
+            outcome.queue_seconds,
+            outcome.inference_seconds,
+        )
+        assert len(back.items) == len(outcome.items)
+        for mine, theirs in zip(back.items, outcome.items, strict=True):
+            for part in ("output", "token_embeddings"):
+                expected, arrived = getattr(theirs, part), getattr(mine, part)
+                assert (arrived is None) == (expected is None)
+                if expected is not None:
+                    np.testing.assert_array_equal(arrived, expected)
+
+
+def test_a_batch_answers_a_front_end_in_one_message_after_its_refusals(
+    engine: tuple[EngineProcess, socket.socket, FrontEnd],
+) -> None:
+    process, ours, frontend = engine
+    tickets = []
+    for request in (1, 2, 3):
+        ticket = Ticket([Encoded([2, 3], [], None, [], False)], Wants(), 0.0, (frontend, request))
+        process.tickets[frontend, request] = ticket
+        tickets.append(ticket)
+    process._deliver(
+        [
+            (tickets[0], Outcome([ItemResult(vector(1, 2))], 0, 0)),
+            (tickets[1], OverloadedError("full", retry_after=2)),
+            (tickets[2], Outcome([ItemResult(vector(3, 4))], 0, 0)),
+        ]
+    )
+    failed, answered = (reply_decoder.decode(m) for m in Frames().feed(ours.recv(65536)))
+    assert isinstance(failed, Failed) and failed.request == 2 and failed.retry_after == 2
+    assert isinstance(answered, Answers) and answered.requests == [1, 3]
+    assert process.tickets == {}
