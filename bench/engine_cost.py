@@ -31,7 +31,7 @@ from pathlib import Path
 import msgspec
 from tokenizers import Tokenizer
 
-from app.engine.wire import Answers, Frames, Submit, framed, reply_decoder
+from app.engine.wire import Abort, Answers, Frames, Requests, Submit, framed, reply_decoder
 from bench.serving_cost import (
     DIMENSION,
     FORWARD_SECONDS,
@@ -71,7 +71,7 @@ class Round:
 class EngineClient:
     """A front end's side of one engine's socket: submissions out, checked replies in."""
 
-    def __init__(self, path: Path, messages: Sequence[bytes]) -> None:
+    def __init__(self, path: Path, messages: Sequence[Submit]) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(str(path))
         self.frames = Frames()
@@ -79,14 +79,22 @@ class EngineClient:
         self.sent = 0
 
     def send(self, count: int) -> None:
-        batch = (self.messages[(self.sent + i) % len(self.messages)] for i in range(count))
-        self.sock.sendall(b"".join(batch))
+        batch: list[Submit | Abort] = [
+            self.messages[(self.sent + i) % len(self.messages)] for i in range(count)
+        ]
+        self.sock.sendall(framed(Requests(batch)))
         self.sent += count
 
     def replies(self) -> int:
         """Waits for replies; how many came, each checked."""
+        data = self.sock.recv(1 << 20)
+        if not data:
+            raise SystemExit(
+                "the engine closed its connection (an --against revision that reads another "
+                "wire protocol than this checkout's?)"
+            )
         answered = 0
-        for raw in self.frames.feed(self.sock.recv(1 << 20)):
+        for raw in self.frames.feed(data):
             try:
                 message = reply_decoder.decode(raw)
             except msgspec.ValidationError as exc:
@@ -139,7 +147,7 @@ def run_round(
     pin: Sequence[str],
     model: Path,
     extra: Sequence[str],
-    messages: Sequence[bytes],
+    messages: Sequence[Submit],
     args: argparse.Namespace,
 ) -> Round:
     """A fresh server: this machine's speed drifts, and one process's speed is a draw."""
@@ -170,13 +178,13 @@ def run_round(
     return Round(inputs, seconds, cpu_delta(before, after, engines), forward)
 
 
-def submissions(model: Path) -> list[bytes]:
-    """One-input requests of short sentences, framed as a front end frames them."""
+def submissions(model: Path) -> list[Submit]:
+    """One-input requests of short sentences, as a front end makes them."""
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     tokenizer.no_padding()
     ids = [tokenizer.encode(text).ids for text in short_sentences(4096, seed=5)]
     return [
-        framed(Submit(request, 30.0, [row], [0], None, True, True, None, False, None))
+        Submit(request, 30.0, [row], [0], None, True, True, None, False, None)
         for request, row in enumerate(ids)
     ]
 

@@ -191,8 +191,9 @@ class EngineProcess:
     def _arrivals(self, frontend: FrontEnd, data: bytes) -> list[tuple[Ticket, float | None]]:
         """The submissions in what a front end sent, each with its ticket; aborts applied."""
         arrived: list[tuple[Ticket, float | None]] = []
-        for raw in frontend.frames.feed(data):
-            message = to_engine_decoder.decode(raw)
+        decode = to_engine_decoder.decode
+        messages = [m for raw in frontend.frames.feed(data) for m in decode(raw).messages]
+        for message in messages:
             key = (frontend, message.request)
             if isinstance(message, Abort):
                 if (ticket := self.tickets.pop(key, None)) is not None:

@@ -26,6 +26,8 @@ from app.engine.wire import (
     Abort,
     Failed,
     Frames,
+    Requests,
+    ToEngine,
     failure_error,
     framed,
     outcomes,
@@ -55,7 +57,7 @@ class RemotePending:
         if not self.future.done():
             self.future.set_exception(error)
         if self.engine.pending.pop(self.request, None) is not None:
-            self.engine.send(framed(Abort(self.request)))
+            self.engine.send(Abort(self.request))
 
 
 class EngineLink(asyncio.Protocol):
@@ -67,15 +69,15 @@ class EngineLink(asyncio.Protocol):
         self.closed = False
         self._frames = Frames()
         self._transport: asyncio.Transport | None = None
-        # Messages of one turn of the event loop, written together at its end: under load
-        # one write (and one wake-up of the engine) carries many requests.
-        self._outgoing: list[bytes] = []
+        # Messages of one turn of the event loop, sent together at its end: under load one
+        # message (one encode, one write, one wake-up of the engine) carries many requests.
+        self._outgoing: list[ToEngine] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport's subclasses, but have its methods.
         self._transport = cast(asyncio.Transport, transport)
 
-    def send(self, message: bytes) -> None:
+    def send(self, message: ToEngine) -> None:
         if self._transport is None or self.closed:
             return
         if not self._outgoing:
@@ -84,8 +86,8 @@ class EngineLink(asyncio.Protocol):
 
     def _flush(self) -> None:
         if self._transport is not None and not self.closed:
-            self._transport.write(b"".join(self._outgoing))
-        self._outgoing.clear()
+            self._transport.write(framed(Requests(self._outgoing)))
+        self._outgoing = []
 
     def data_received(self, data: bytes) -> None:
         for raw in self._frames.feed(data):
@@ -169,7 +171,7 @@ class RemoteEngine:
         request = next(self._requests)
         pending = RemotePending(link, request, self._loop.create_future())
         link.pending[request] = pending
-        link.send(framed(submit_message(request, left, encoded, wants)))
+        link.send(submit_message(request, left, encoded, wants))
         return pending
 
     def _least_busy(self) -> int:

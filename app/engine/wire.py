@@ -1,7 +1,8 @@
 """The messages between front ends and engines in other processes, as msgpack (msgspec),
 each framed by its length on a Unix stream socket.
 
-Front end to engine: `Submit` (one request's token ids and what it wants back) and `Abort`.
+Front end to engine: `Requests`, what one turn of its event loop sends at once: `Submit` (one
+request's token ids and what it wants back) and `Abort`, in order.
 Engine to front end: `Answers` (every request a batch finished for that front end, at once)
 and `Failed`. Arrays travel as raw little-endian bytes and become numpy views on the front
 end, never Python lists. No torch here.
@@ -116,7 +117,16 @@ class Answers(msgspec.Struct, array_like=True, tag=1):
 
 
 ToEngine = Submit | Abort
-to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+
+
+class Requests(msgspec.Struct, array_like=True):
+    """A front end's submissions and aborts of one turn of its event loop, in one message:
+    one encode for them all, and on the engine's side one decode."""
+
+    messages: list[ToEngine]
+
+
+to_engine_decoder = msgspec.msgpack.Decoder(Requests)
 reply_decoder = msgspec.msgpack.Decoder(Failed | Answers)
 encoder = msgspec.msgpack.Encoder()
 

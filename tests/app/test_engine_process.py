@@ -21,6 +21,8 @@ from app.engine.wire import (
     Answers,
     Failed,
     Frames,
+    Requests,
+    Submit,
     answers,
     framed,
     outcomes,
@@ -62,9 +64,13 @@ def engine() -> Iterator[tuple[EngineProcess, socket.socket, FrontEnd]]:
         yield process, ours, frontend
 
 
-def submit(request: int) -> bytes:
-    encoded = [Encoded([2, 5, 3], [], None, [], False)]
-    return framed(submit_message(request, 10.0, encoded, Wants()))
+def submit(request: int) -> Submit:
+    return submit_message(request, 10.0, [Encoded([2, 5, 3], [], None, [], False)], Wants())
+
+
+def sent(*messages: Submit | Abort) -> bytes:
+    """What a front end writes for one turn of its event loop."""
+    return framed(Requests(list(messages)))
 
 
 @pytest.mark.parametrize(
@@ -80,8 +86,9 @@ def test_what_a_request_wants_crosses_the_wire_and_plain_kinds_are_built_once(
     wants: Wants,
 ) -> None:
     encoded = [Encoded([2, 5, 3], [], None, [], False)]
-    [raw] = Frames().feed(framed(submit_message(1, 10.0, encoded, wants)))
-    message = to_engine_decoder.decode(raw)
+    [raw] = Frames().feed(sent(submit_message(1, 10.0, encoded, wants)))
+    [message] = to_engine_decoder.decode(raw).messages
+    assert isinstance(message, Submit)
     (inputs, first), (_, again) = submitted(message), submitted(message)
     assert [e.ids for e in inputs] == [[2, 5, 3]]
     assert first == wants == again
@@ -92,7 +99,7 @@ def test_a_refused_request_gets_its_429(
     engine: tuple[EngineProcess, socket.socket, FrontEnd],
 ) -> None:
     process, ours, frontend = engine
-    ours.sendall(submit(7))
+    ours.sendall(sent(submit(7)))
     process._read(frontend)
     [message] = Frames().feed(ours.recv(65536))
     reply = reply_decoder.decode(message)
@@ -105,7 +112,7 @@ def test_a_request_aborted_in_the_same_read_is_refused_without_a_word(
     engine: tuple[EngineProcess, socket.socket, FrontEnd],
 ) -> None:
     process, ours, frontend = engine
-    ours.sendall(submit(7) + framed(Abort(7)))
+    ours.sendall(sent(submit(7), Abort(7)))
     process._read(frontend)  # no KeyError
     ours.setblocking(False)
     with pytest.raises(BlockingIOError):
@@ -132,7 +139,7 @@ def test_a_frame_that_is_no_message_stops_the_engine_rather_than_being_skipped(
     and the engine out of step. It reaches the worker, whose stop takes the server down for
     its orchestrator to restart (tests/app/test_split.py: a dead engine stops the rest)."""
     process, ours, frontend = engine
-    ours.sendall(submit(7) + framed(Abort(8))[:4] + b"\xc1 not msgpack")
+    ours.sendall(sent(submit(7)) + sent(Abort(8))[:4] + b"\xc1 not msgpack")
     with pytest.raises(msgspec.DecodeError):
         process._read(frontend)
 

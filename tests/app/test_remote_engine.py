@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 
-from app.engine.protocol import Outcome
-from app.engine.remote import RemoteEngine, least_busy
+from app.engine.protocol import Outcome, Wants
+from app.engine.remote import EngineLink, RemoteEngine, least_busy
 from app.engine.state import EngineBoard
+from app.engine.wire import Abort, Frames, submit_message, to_engine_decoder
 from app.errors import DeadlineError, ServiceError
 from app.main import create_app
 from app.service import WATCH_AFTER, Watch
+from model.tokenizer import Encoded
 from tests.app.conftest import (
     engine_process,
     make_settings,
@@ -146,3 +148,33 @@ async def test_a_front_end_is_ready_before_its_server_takes_requests(tiny_checkp
         app = create_app(settings, engine)
         async with app.router.lifespan_context(app):
             assert service_of(app).ready
+
+
+class Written(asyncio.Transport):
+    """A transport that keeps what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+
+async def test_what_one_turn_of_the_event_loop_sends_goes_as_one_message_in_order() -> None:
+    link = EngineLink(0)
+    transport = Written()
+    link.connection_made(transport)
+    encoded = [Encoded([2, 5, 3], [], None, [], False)]
+    for request in (1, 2):
+        link.send(submit_message(request, 1.0, encoded, Wants()))
+    link.send(Abort(1))
+    await asyncio.sleep(0)  # the turn ends
+    link.send(submit_message(3, 1.0, encoded, Wants()))
+    await asyncio.sleep(0)
+    sent = [
+        [(type(m).__name__, m.request) for m in to_engine_decoder.decode(raw).messages]
+        for write in transport.writes
+        for raw in Frames().feed(write)
+    ]
+    assert sent == [[("Submit", 1), ("Submit", 2), ("Abort", 1)], [("Submit", 3)]]
