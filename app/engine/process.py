@@ -3,7 +3,7 @@ front end connects to. No HTTP.
 
 One thread does all the work: the compute thread accepts the front ends' connections, reads
 their submissions and aborts between batches and while it waits (`Batcher.take_from`), runs
-the batches, and writes each finished request's reply to its front end. The main thread
+the batches, and writes each batch's answers, one write per front end. The main thread
 only watches: for SIGTERM, which the supervisor sends once every front end has exited (finish
 what is queued, then exit 0), and for a batch worker that has stopped (exit 1).
 """

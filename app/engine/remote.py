@@ -2,7 +2,8 @@
 
 One Unix stream socket to each engine, carrying length-framed msgpack both ways
 (app/engine/wire.py), read and written by the front end's own event loop: no thread and no
-broker between the two processes, one system call per message each way. (ZeroMQ hands every
+broker between the two processes, one write for what a turn of the event loop sends and one
+for each batch's answers. (ZeroMQ hands every
 message to I/O threads of its own on both sides, which costs several times the CPU per round
 trip; docs/decisions.md.) Work goes to the engine that would finish it first by
 the backlog each publishes (app/engine/state.py), which also decides the fast 429. An engine
@@ -20,16 +21,17 @@ from functools import partial
 from pathlib import Path
 from typing import cast
 
+import msgspec
+
 from app.engine.protocol import Admission, Outcome, Wants
 from app.engine.state import EngineBoard
 from app.engine.wire import (
     Abort,
     Failed,
     Frames,
-    Requests,
-    ToEngine,
+    encoded_message,
     failure_error,
-    framed,
+    framed_requests,
     outcomes,
     reply_decoder,
     submit_message,
@@ -57,7 +59,7 @@ class RemotePending:
         if not self.future.done():
             self.future.set_exception(error)
         if self.engine.pending.pop(self.request, None) is not None:
-            self.engine.send(Abort(self.request))
+            self.engine.send(encoded_message(Abort(self.request)))
 
 
 class EngineLink(asyncio.Protocol):
@@ -69,15 +71,16 @@ class EngineLink(asyncio.Protocol):
         self.closed = False
         self._frames = Frames()
         self._transport: asyncio.Transport | None = None
-        # Messages of one turn of the event loop, sent together at its end: under load one
-        # message (one encode, one write, one wake-up of the engine) carries many requests.
-        self._outgoing: list[ToEngine] = []
+        # Messages of one turn of the event loop, each encoded when sent, written together at
+        # its end as one message: under load one write, one wake-up of the engine and one
+        # decode there carry many requests.
+        self._outgoing: list[msgspec.Raw] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport's subclasses, but have its methods.
         self._transport = cast(asyncio.Transport, transport)
 
-    def send(self, message: ToEngine) -> None:
+    def send(self, message: msgspec.Raw) -> None:
         if self._transport is None or self.closed:
             return
         if not self._outgoing:
@@ -86,7 +89,7 @@ class EngineLink(asyncio.Protocol):
 
     def _flush(self) -> None:
         if self._transport is not None and not self.closed:
-            self._transport.write(framed(Requests(self._outgoing)))
+            self._transport.write(framed_requests(self._outgoing))
         self._outgoing = []
 
     def data_received(self, data: bytes) -> None:
@@ -169,9 +172,10 @@ class RemoteEngine:
         left = deadline - time.perf_counter()
         self._admit(engine, sum(len(e.ids) for e in encoded), left)
         request = next(self._requests)
+        message = encoded_message(submit_message(request, left, encoded, wants))
         pending = RemotePending(link, request, self._loop.create_future())
         link.pending[request] = pending
-        link.send(submit_message(request, left, encoded, wants))
+        link.send(message)
         return pending
 
     def _least_busy(self) -> int:

@@ -32,8 +32,24 @@ HEADER = struct.Struct("<I")
 
 
 def framed(message: msgspec.Struct) -> bytes:
-    payload = encoder.encode(message)
+    return _framed(encoder.encode(message))
+
+
+def _framed(payload: bytes) -> bytes:
     return HEADER.pack(len(payload)) + payload
+
+
+def encoded_message(message: ToEngine) -> msgspec.Raw:
+    """A message to an engine, encoded on its request's own time: one that cannot be
+    encoded fails that request alone, not the others it would have travelled with."""
+    return msgspec.Raw(encoder.encode(message))
+
+
+def framed_requests(messages: Sequence[msgspec.Raw]) -> bytes:
+    """`Requests` of messages already encoded (`encoded_message`), framed: the bytes
+    `framed(Requests(...))` gives (a one-field array_like struct is a one-item array),
+    without encoding the messages again."""
+    return _framed(encoder.encode((messages,)))
 
 
 class Frames:
@@ -88,10 +104,10 @@ class Failed(msgspec.Struct, array_like=True, tag=0):
 
 
 class Answers(msgspec.Struct, array_like=True, tag=1):
-    """Requests a batch finished for one front end, whose results have the same parts: one
-    message for them all, so that a batch of single sentences costs both sides one encode,
-    one decode and one set of arrays, not one of each per request. The results' arrays lie
-    one after another in request order."""
+    """Requests a batch finished for one front end, whose results have the same parts and
+    widths (`_kind`): one message for them all, so that a batch of single sentences costs
+    both sides one encode, one decode and one set of arrays, not one of each per request.
+    The results' arrays lie one after another in request order."""
 
     requests: list[int]
     results: list[int]  # how many results each request has
@@ -121,13 +137,13 @@ ToEngine = Submit | Abort
 
 class Requests(msgspec.Struct, array_like=True):
     """A front end's submissions and aborts of one turn of its event loop, in one message:
-    one encode for them all, and on the engine's side one decode."""
+    on the engine's side one decode for them all."""
 
     messages: list[ToEngine]
 
 
 to_engine_decoder = msgspec.msgpack.Decoder(Requests)
-reply_decoder = msgspec.msgpack.Decoder(Failed | Answers)
+reply_decoder: msgspec.msgpack.Decoder[Failed | Answers] = msgspec.msgpack.Decoder(Failed | Answers)
 encoder = msgspec.msgpack.Encoder()
 
 
@@ -198,9 +214,10 @@ def answers(finished: Sequence[tuple[int, Outcome]]) -> list[Answers]:
 
 
 def _kind(item: ItemResult) -> tuple[object, ...]:
-    """What parts a result has, and so which fields carry it."""
+    """What parts a result has, and their widths (requests of one batch may ask for
+    different `dimensions`): what decides which fields carry it, and how they are cut."""
     output = item.output
-    shape = output.ndim if isinstance(output, np.ndarray) else type(output)
+    shape = (output.ndim, output.shape[-1]) if isinstance(output, np.ndarray) else type(output)
     attention = tuple(sorted(item.attention)) if item.attention is not None else None
     return shape, item.token_embeddings is not None, attention
 

@@ -31,7 +31,7 @@ from app.engine.wire import (
     submitted,
     to_engine_decoder,
 )
-from app.errors import OverloadedError, ServiceError
+from app.errors import BackendError, OverloadedError, ServiceError
 from model.info import AttentionSpec
 from model.tokenizer import Encoded
 
@@ -148,19 +148,40 @@ def vector(*values: float) -> np.ndarray:
     return np.array(values, dtype=np.float32)
 
 
-def test_a_batchs_requests_cross_in_one_message_per_kind_of_result_and_keep_their_own() -> None:
-    """Plain vectors, per-token vectors with no pooled one, and late chunking's (chunks, D)
-    in one batch: each kind travels in its own message, each request gets its results."""
+def decoded_answers(raw: bytes | bytearray) -> Answers:
+    message = reply_decoder.decode(raw)
+    assert isinstance(message, Answers)
+    return message
+
+
+def test_requests_of_one_batch_cross_in_one_message_per_kind_of_result_and_keep_their_own() -> None:
+    """Plain vectors of two widths (requests may ask for different `dimensions`), per-token
+    vectors with no pooled one and with one, and late chunking's (chunks, D), in one batch:
+    each kind travels in its own message, each request gets its own results."""
     rng = np.random.default_rng(0)
+
+    def rows(*shape: int) -> np.ndarray:
+        return rng.random(shape, dtype=np.float32)
+
     plain = [Outcome([ItemResult(vector(i, i + 1))], 0.1 * i, 0.5) for i in range(3)]
-    tokens = Outcome([ItemResult(None, rng.random((n, 4), dtype=np.float32)) for n in (2, 5)], 0, 1)
-    late = Outcome([ItemResult(rng.random((3, 2), dtype=np.float32))], 0.2, 0.7)
-    sent = [(10, plain[0]), (11, tokens), (12, plain[1]), (13, late), (14, plain[2])]
+    tokens = Outcome([ItemResult(None, rows(n, 4)) for n in (2, 5)], 0, 1)
+    late = Outcome([ItemResult(rows(3, 2))], 0.2, 0.7)
+    narrower = Outcome([ItemResult(vector(7, 8, 9))], 0, 0.5)
+    both = Outcome([ItemResult(vector(5, 6), rows(3, 4))], 0, 0.5)
+    sent = [
+        (10, plain[0]),
+        (11, tokens),
+        (12, plain[1]),
+        (13, late),
+        (14, plain[2]),
+        (15, narrower),
+        (16, both),
+    ]
     messages = answers(sent)
-    assert [m.requests for m in messages] == [[10, 12, 14], [11], [13]]
+    assert [m.requests for m in messages] == [[10, 12, 14], [11], [13], [15], [16]]
     [*raws] = Frames().feed(b"".join(framed(m) for m in messages))
-    got = dict(pair for raw in raws for pair in outcomes(reply_decoder.decode(raw)))
-    assert sorted(got) == [10, 11, 12, 13, 14]
+    got = dict(pair for raw in raws for pair in outcomes(decoded_answers(raw)))
+    assert sorted(got) == [10, 11, 12, 13, 14, 15, 16]
     for request, outcome in sent:
         back = got[request]
         assert (back.queue_seconds, back.inference_seconds) == (
@@ -176,7 +197,7 @@ def test_a_batchs_requests_cross_in_one_message_per_kind_of_result_and_keep_thei
                     np.testing.assert_array_equal(arrived, expected)
 
 
-def test_a_batch_answers_a_front_end_in_one_message_after_its_refusals(
+def test_a_batch_answers_a_front_end_in_one_message_after_its_failures(
     engine: tuple[EngineProcess, socket.socket, FrontEnd],
 ) -> None:
     process, ours, frontend = engine
@@ -188,11 +209,11 @@ def test_a_batch_answers_a_front_end_in_one_message_after_its_refusals(
     process._deliver(
         [
             (tickets[0], Outcome([ItemResult(vector(1, 2))], 0, 0)),
-            (tickets[1], OverloadedError("full", retry_after=2)),
+            (tickets[1], BackendError("the model failed on this request's inputs")),
             (tickets[2], Outcome([ItemResult(vector(3, 4))], 0, 0)),
         ]
     )
     failed, answered = (reply_decoder.decode(m) for m in Frames().feed(ours.recv(65536)))
-    assert isinstance(failed, Failed) and failed.request == 2 and failed.retry_after == 2
+    assert isinstance(failed, Failed) and failed.request == 2 and failed.error_type == "Backend"
     assert isinstance(answered, Answers) and answered.requests == [1, 3]
     assert process.tickets == {}

@@ -12,11 +12,19 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 
-from app.engine.protocol import Outcome, Wants
-from app.engine.remote import EngineLink, RemoteEngine, least_busy
+from app.engine.protocol import ItemResult, Outcome, Wants
+from app.engine.remote import EngineLink, RemoteEngine, RemotePending, least_busy
 from app.engine.state import EngineBoard
-from app.engine.wire import Abort, Frames, submit_message, to_engine_decoder
-from app.errors import DeadlineError, ServiceError
+from app.engine.wire import (
+    Abort,
+    Frames,
+    answers,
+    encoded_message,
+    framed,
+    submit_message,
+    to_engine_decoder,
+)
+from app.errors import ClientDisconnectedError, DeadlineError, ServiceError
 from app.main import create_app
 from app.service import WATCH_AFTER, Watch
 from model.tokenizer import Encoded
@@ -167,10 +175,10 @@ async def test_what_one_turn_of_the_event_loop_sends_goes_as_one_message_in_orde
     link.connection_made(transport)
     encoded = [Encoded([2, 5, 3], [], None, [], False)]
     for request in (1, 2):
-        link.send(submit_message(request, 1.0, encoded, Wants()))
-    link.send(Abort(1))
+        link.send(encoded_message(submit_message(request, 1.0, encoded, Wants())))
+    link.send(encoded_message(Abort(1)))
     await asyncio.sleep(0)  # the turn ends
-    link.send(submit_message(3, 1.0, encoded, Wants()))
+    link.send(encoded_message(submit_message(3, 1.0, encoded, Wants())))
     await asyncio.sleep(0)
     sent = [
         [(type(m).__name__, m.request) for m in to_engine_decoder.decode(raw).messages]
@@ -178,3 +186,46 @@ async def test_what_one_turn_of_the_event_loop_sends_goes_as_one_message_in_orde
         for raw in Frames().feed(write)
     ]
     assert sent == [[("Submit", 1), ("Submit", 2), ("Abort", 1)], [("Submit", 3)]]
+
+
+async def test_answers_for_a_request_aborted_meanwhile_leave_it_be_and_answer_the_rest() -> None:
+    link = EngineLink(0)
+    link.connection_made(Written())
+    loop = asyncio.get_running_loop()
+    gone, kept = (RemotePending(link, request, loop.create_future()) for request in (1, 2))
+    link.pending.update({1: gone, 2: kept})
+    gone.abort(ClientDisconnectedError("the client disconnected"))
+    vectors = [np.array([i, i + 1], dtype=np.float32) for i in (1, 2)]
+    finished = [(r, Outcome([ItemResult(v)], 0, 0)) for r, v in zip((1, 2), vectors, strict=True)]
+    [message] = answers(finished)
+    link.data_received(framed(message))
+    with pytest.raises(ClientDisconnectedError):
+        gone.future.result()
+    [item] = kept.future.result().items
+    np.testing.assert_array_equal(item.vector, vectors[1])
+    assert link.pending == {}
+
+
+async def test_requests_for_different_dimensions_in_one_batch_each_get_their_own(
+    tiny_checkpoint: Path,
+) -> None:
+    """Their vectors differ in width, so they cross in messages of their own."""
+    text = "the quick brown fox"
+    async with running_app(make_settings(tiny_checkpoint), "split") as (_, client):
+        whole = np.array((await client.post("/embed", json={"inputs": text})).json()[0])
+        busy = asyncio.create_task(client.post("/embed", json={"inputs": MANY[:512]}))
+        mixed = await asyncio.gather(
+            *(
+                client.post(
+                    "/embed", json={"inputs": text, "dimensions": 8} if i % 2 else {"inputs": text}
+                )
+                for i in range(8)
+            )
+        )
+        assert (await busy).status_code == 200
+    cut = whole[:8] / np.linalg.norm(whole[:8])
+    for index, response in enumerate(mixed):
+        assert response.status_code == 200
+        got = np.array(response.json()[0])
+        expected = cut if index % 2 else whole
+        assert got.shape == expected.shape and np.abs(got - expected).max() < 1e-5
