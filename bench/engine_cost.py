@@ -28,9 +28,17 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import msgspec
 from tokenizers import Tokenizer
 
-from app.engine.wire import Abort, Answers, Frames, Requests, Submit, framed, reply_decoder
+from app.engine.wire import (
+    Answers,
+    Frames,
+    Submit,
+    encoded_message,
+    framed_requests,
+    reply_decoder,
+)
 from bench.serving_cost import (
     DIMENSION,
     FORWARD_SECONDS,
@@ -70,7 +78,7 @@ class Round:
 class EngineClient:
     """A front end's side of one engine's socket: submissions out, checked replies in."""
 
-    def __init__(self, path: Path, messages: Sequence[Submit]) -> None:
+    def __init__(self, path: Path, messages: Sequence[msgspec.Raw]) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(str(path))
         self.frames = Frames()
@@ -80,10 +88,8 @@ class EngineClient:
     def send(self, count: int) -> None:
         if not count:  # the last read held only part of a message
             return
-        batch: list[Submit | Abort] = [
-            self.messages[(self.sent + i) % len(self.messages)] for i in range(count)
-        ]
-        self.sock.sendall(framed(Requests(batch)))
+        batch = [self.messages[(self.sent + i) % len(self.messages)] for i in range(count)]
+        self.sock.sendall(framed_requests(batch))
         self.sent += count
 
     def replies(self) -> int:
@@ -144,7 +150,7 @@ def run_round(
     pin: Sequence[str],
     model: Path,
     extra: Sequence[str],
-    messages: Sequence[Submit],
+    messages: Sequence[msgspec.Raw],
     args: argparse.Namespace,
 ) -> Round:
     """A fresh server: this machine's speed drifts, and one process's speed is a draw."""
@@ -175,13 +181,13 @@ def run_round(
     return Round(inputs, seconds, cpu_delta(before, after, engines), forward)
 
 
-def submissions(model: Path) -> list[Submit]:
-    """One-input requests of short sentences, as a front end makes them."""
+def submissions(model: Path) -> list[msgspec.Raw]:
+    """One-input requests of short sentences, encoded as a front end encodes them."""
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     tokenizer.no_padding()
     ids = [tokenizer.encode(text).ids for text in short_sentences(4096, seed=5)]
     return [
-        Submit(request, 30.0, [row], [0], None, True, True, None, False, None)
+        encoded_message(Submit(request, 30.0, [row], [0], None, True, True, None, False, None))
         for request, row in enumerate(ids)
     ]
 

@@ -264,7 +264,7 @@ class Batcher:
         app/engine/compute.py); it holds that thread until `stop`."""
         self._worker = compute.submit(self._run)
 
-    def stop(self, timeout: float = 2.0) -> None:
+    def stop(self, timeout: float) -> None:
         """The worker ends once its pass in progress does; waits up to `timeout` seconds."""
         with self._condition:
             self._stopping = True

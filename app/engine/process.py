@@ -232,9 +232,8 @@ class EngineProcess:
             else:
                 failures.setdefault(frontend, []).append(framed(failure_reply(request, outcome)))
         for frontend in finished.keys() | failures.keys():
-            messages = failures.get(frontend, [])
-            messages += [framed(message) for message in answers(finished.get(frontend, []))]
-            frontend.write(b"".join(messages))
+            answered = [framed(message) for message in answers(finished.get(frontend, []))]
+            frontend.write(b"".join(failures.get(frontend, []) + answered))
 
     def _drain(self) -> None:
         """What is queued still runs (its front ends have gone, or are failing it)."""

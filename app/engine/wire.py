@@ -109,9 +109,10 @@ class Answers(msgspec.Struct, array_like=True, tag=1):
     both sides one encode, one decode and one set of arrays, not one of each per request.
     The results' arrays lie one after another in request order."""
 
+    # Per request: its number, how many results it has, its longest queue wait and pass.
     requests: list[int]
-    results: list[int]  # how many results each request has
-    queue_seconds: list[float]  # per request
+    results: list[int]
+    queue_seconds: list[float]
     inference_seconds: list[float]
     # (N, D): every result's output vector (an embedding's, a classifier's logits).
     vectors: bytes | None = None

@@ -325,7 +325,7 @@ async def test_a_lone_input_does_not_wait_out_the_batch_wait(tiny_embedder: Embe
         [result] = outcome.items
         assert result.vector.shape == (tiny_embedder.info.dimensions,)
     finally:
-        batcher.stop()
+        batcher.stop(timeout=2)
         compute.close()
 
 
@@ -428,7 +428,7 @@ def test_a_worker_whose_queue_empties_without_a_pass_writes_its_figures(
     while passes_written() == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert passes_written() == 1 and batcher.depth == 0
-    batcher.stop()
+    batcher.stop(timeout=2)
     worker.join(timeout=10)
     assert not worker.is_alive()
 
@@ -532,7 +532,7 @@ def test_a_worker_that_reads_its_own_arrivals_batches_them_and_sees_a_stop(
         worker.start()
         if stop:
             time.sleep(0.3)
-            batcher.stop()
+            batcher.stop(timeout=2)
         worker.join(timeout=10)
         assert readers == {worker.ident}
         readers.clear()

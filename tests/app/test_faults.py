@@ -208,7 +208,7 @@ async def test_a_failed_batch_gives_each_request_its_own_error(
                 await asyncio.wait_for(future, timeout=10)
             errors.append(caught.value)
     finally:
-        batcher.stop()
+        batcher.stop(timeout=2)
         compute.close()
     assert len({id(error) for error in errors}) == 3
     assert all(error.message == "the model failed on this request's inputs" for error in errors)

@@ -102,7 +102,7 @@ async def run_requests(
         answers = asyncio.gather(*futures, return_exceptions=True)
         return batcher, await asyncio.wait_for(answers, timeout=20)
     finally:
-        batcher.stop()
+        batcher.stop(timeout=2)
         compute.close()
 
 

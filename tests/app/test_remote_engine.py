@@ -209,7 +209,8 @@ async def test_answers_for_a_request_aborted_meanwhile_leave_it_be_and_answer_th
 async def test_requests_for_different_dimensions_in_one_batch_each_get_their_own(
     tiny_checkpoint: Path,
 ) -> None:
-    """Their vectors differ in width, so they cross in messages of their own."""
+    """Their vectors differ in width, so they cross in messages of their own. A long request
+    holds the engine meanwhile, so that the others queue, and run, together."""
     text = "the quick brown fox"
     async with running_app(make_settings(tiny_checkpoint), "split") as (_, client):
         whole = np.array((await client.post("/embed", json={"inputs": text})).json()[0])
