@@ -81,6 +81,7 @@ bench:
 	$(BIN)/python -m bench.placements
 	$(BIN)/python -m bench.serving_cost
 	$(BIN)/python -m bench.engine_cost
+	$(BIN)/python -m bench.frontend_cost
 	$(BIN)/python -m bench.startup
 	$(BIN)/python -m bench.memory
 	$(BIN)/python -m bench.grpc_cost  # needs h2load (Debian's nghttp2-client)

@@ -193,7 +193,7 @@ def late_windows(
     for index, start in enumerate(starts):
         end = start + width
         ids = head + encoded.ids[start:end] + tail
-        windows.append(Encoded(ids, [], None, [], False, encoded.prompt_length))
+        windows.append(Encoded(ids, False, encoded.prompt_length))
         # Positions of the whole text this window gives: those nearer its centre than any
         # other window's (the later window's on a tie).
         lower = 0 if index == 0 else (start + starts[index - 1] + width + 1) // 2

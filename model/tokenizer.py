@@ -30,25 +30,70 @@ CUT_MARGIN = 64
 _WHITESPACE = " \t\n\r"
 
 
-# Not frozen, though nothing changes one once made: one is made per input, in a front end
-# and again in an engine, and a frozen dataclass's __init__ sets each field through
-# object.__setattr__, four times the cost of a plain one.
-@dataclass(slots=True)
-class Encoded:
-    """One input after tokenization (and truncation)."""
+@dataclass(frozen=True, slots=True)
+class TokenDetails:
+    """What an input's tokens are, beside their ids: for the routes that show tokens, and for
+    cutting texts into chunks."""
 
-    ids: list[int]
     tokens: list[str]
     # Character offsets into the (prompted) input text, for a pair into the text each token
     # comes from; None for pre-tokenized input.
     offsets: list[tuple[int, int]] | None
     special: list[bool]
+
+
+# Inputs whose details nobody reads: ids an engine received, the windows of a long text.
+NO_DETAILS = TokenDetails([], None, [])
+
+
+# Not frozen: one is made per input, in a front end and again in an engine, and a frozen
+# dataclass's __init__ sets each field through object.__setattr__, four times the cost of a
+# plain one; and a text's details are read off its Encoding when first asked for, so two
+# compare by what their details hold (`__eq__`), not by where those are.
+@dataclass(slots=True, eq=False)
+class Encoded:
+    """One input after tokenization (and truncation)."""
+
+    ids: list[int]
     truncated: bool
     # Leading tokens that belong to the prompt, counted as sentence-transformers counts them
     # (the leading special token included); pooling leaves them out when include_prompt is off.
     prompt_length: int = 0
     # Segment of each token for a pair of texts; None for a single text.
     type_ids: list[int] | None = None
+    # A text's details stay in the tokenizer's Encoding until asked for: most requests want
+    # only vectors, and three Python lists per input cost a sixth of the tokenizing.
+    details: TokenDetails | Encoding = NO_DETAILS
+
+    @property
+    def tokens(self) -> list[str]:
+        return self._details().tokens
+
+    @property
+    def offsets(self) -> list[tuple[int, int]] | None:
+        return self._details().offsets
+
+    @property
+    def special(self) -> list[bool]:
+        return self._details().special
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Encoded):
+            return NotImplemented
+        return (self.ids, self.truncated, self.prompt_length, self.type_ids, self._details()) == (
+            other.ids,
+            other.truncated,
+            other.prompt_length,
+            other.type_ids,
+            other._details(),
+        )
+
+    def _details(self) -> TokenDetails:
+        details = self.details
+        if isinstance(details, Encoding):
+            special = [bool(flag) for flag in details.special_tokens_mask]
+            details = self.details = TokenDetails(details.tokens, details.offsets, special)
+        return details
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,16 +253,20 @@ class TextTokenizer:
             results.append(
                 Encoded(
                     ids=encoding.ids,
-                    tokens=encoding.tokens,
-                    offsets=[
-                        (start + shift[seq], end + shift[seq]) if seq is not None else (start, end)
-                        for seq, (start, end) in zip(
-                            encoding.sequence_ids, encoding.offsets, strict=True
-                        )
-                    ],
-                    special=[bool(flag) for flag in encoding.special_tokens_mask],
                     truncated=any(was_cut) or kept != counts,
                     type_ids=encoding.type_ids if self.token_types else None,
+                    details=TokenDetails(
+                        tokens=encoding.tokens,
+                        offsets=[
+                            (start + shift[seq], end + shift[seq])
+                            if seq is not None
+                            else (start, end)
+                            for seq, (start, end) in zip(
+                                encoding.sequence_ids, encoding.offsets, strict=True
+                            )
+                        ],
+                        special=[bool(flag) for flag in encoding.special_tokens_mask],
+                    ),
                 )
             )
         return results
@@ -319,11 +368,9 @@ class TextTokenizer:
             raise InputTooLongError(index, len(encoding.ids), self.max_length, at_least=was_cut)
         return Encoded(
             ids=encoding.ids,
-            tokens=encoding.tokens,
-            offsets=encoding.offsets,
-            special=[bool(flag) for flag in encoding.special_tokens_mask],
             truncated=bool(encoding.overflowing),
             prompt_length=prompt_length,
+            details=encoding,
         )
 
     def _cut_keeping_prompt(self, encoded: Encoded, prompt_chars: int) -> Encoded:
@@ -348,11 +395,13 @@ class TextTokenizer:
             keep = [*range(lead), *range(lead + excess, len(encoded.ids))]
         return Encoded(
             ids=[encoded.ids[i] for i in keep],
-            tokens=[encoded.tokens[i] for i in keep],
-            offsets=[encoded.offsets[i] for i in keep],
-            special=[encoded.special[i] for i in keep],
             truncated=True,
             prompt_length=encoded.prompt_length,
+            details=TokenDetails(
+                tokens=[encoded.tokens[i] for i in keep],
+                offsets=[encoded.offsets[i] for i in keep],
+                special=[encoded.special[i] for i in keep],
+            ),
         )
 
     def _from_ids(
@@ -374,10 +423,12 @@ class TextTokenizer:
             kept = kept[: self.max_length] if direction == "right" else kept[-self.max_length :]
         return Encoded(
             ids=kept,
-            tokens=[self._untruncated.id_to_token(i) or "" for i in kept],
-            offsets=None,
-            special=[i in self._special_ids for i in kept],
             truncated=len(kept) < len(ids),
+            details=TokenDetails(
+                tokens=[self._untruncated.id_to_token(i) or "" for i in kept],
+                offsets=None,
+                special=[i in self._special_ids for i in kept],
+            ),
         )
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -403,7 +454,7 @@ def _shift_offsets(encoded: Encoded, after: int, shift: int) -> Encoded:
         else (start + shift if start >= after else start, end + shift if end > after else end)
         for (start, end), special in zip(encoded.offsets, encoded.special, strict=True)
     ]
-    return replace(encoded, offsets=offsets)
+    return replace(encoded, details=TokenDetails(encoded.tokens, offsets, encoded.special))
 
 
 def longest_first(lengths: tuple[int, int], budget: int) -> tuple[int, int]:

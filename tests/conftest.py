@@ -42,6 +42,7 @@ FULL_TIER_PATHS = (
     "tests/app/test_signals.py",
     "tests/app/test_slow_clients.py",
     "tests/app/test_split.py",
+    "tests/bench/test_frontend_cost.py",  # a front end in a process of its own
     "tests/bench/test_soak.py",
     "tests/deploy/test_compose_topology.py",
     "tests/docs/test_examples.py",

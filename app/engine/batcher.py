@@ -190,6 +190,9 @@ class Batcher:
         self._condition = threading.Condition()
         self._stopping = False
         self._worker: Future[None] | None = None
+        # Set when the worker's loop has ended: asked on every request, where Future.done
+        # would take a lock.
+        self._ended = False
         # Decayed sums of seconds and tokens over recent batches: their ratio estimates the
         # seconds one more queued token costs (big batches weigh most, as under load).
         self._seconds = seconds_per_token * 1000
@@ -217,7 +220,7 @@ class Batcher:
     # State ----------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        return self._worker is not None and not self._worker.done()
+        return self._worker is not None and not self._ended
 
     @property
     def depth(self) -> int:
@@ -263,6 +266,10 @@ class Batcher:
         """Run the worker loop on `compute`, the thread that loaded the model (see
         app/engine/compute.py); it holds that thread until `stop`."""
         self._worker = compute.submit(self._run)
+        self._worker.add_done_callback(self._on_end)
+
+    def _on_end(self, _: Future[None]) -> None:
+        self._ended = True
 
     def stop(self, timeout: float) -> None:
         """The worker ends once its pass in progress does; waits up to `timeout` seconds."""

@@ -170,7 +170,7 @@ def submitted(message: Submit) -> tuple[list[Encoded], Wants]:
     """The engine's side: inputs the model can run (ids, prompt and segments only)."""
     types = message.type_ids or [None] * len(message.ids)
     encoded = [
-        Encoded(ids, [], None, [], False, prompt, type_ids)
+        Encoded(ids, False, prompt, type_ids)
         for ids, prompt, type_ids in zip(message.ids, message.prompt_lengths, types, strict=True)
     ]
     attention = message.attention

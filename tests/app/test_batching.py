@@ -181,7 +181,7 @@ def make_ticket(*lengths: int, wants: Wants | None = None) -> Ticket:
     """One request's ticket, inputs of these token counts; its future is never awaited."""
     loop = asyncio.new_event_loop()
     try:
-        encoded = [Encoded(list(range(n)), [], None, [], False) for n in lengths]
+        encoded = [Encoded(list(range(n)), False) for n in lengths]
         return Ticket(encoded, wants or Wants(), time.perf_counter() + 30, loop.create_future())
     finally:
         loop.close()

@@ -17,7 +17,7 @@ import transformers
 from sentence_transformers.util.quantization import quantize_embeddings
 
 from app.chunking import Chunk, Content, late_windows, plan_chunks
-from model.tokenizer import Encoded, TextTokenizer
+from model.tokenizer import Encoded, TextTokenizer, TokenDetails
 from tests.app.conftest import Placement, make_settings, running_app
 from tests.helpers import (
     TINY_VOCAB,
@@ -71,7 +71,12 @@ def test_late_windows_lay_the_whole_text_end_to_end(prompt_length: int) -> None:
     special = [True] + [False] * (len(ids) - 2) + [True]
     # The prompt's tokens cover characters 0-3 (one each), the text's the ones after.
     offsets = [(0, 0), *[(i, i + 1) for i in range(len(ids) - 2)], (0, 0)]
-    encoded = Encoded(ids, [], offsets, special, False, prompt_length + 1 if prompt_length else 0)
+    encoded = Encoded(
+        ids,
+        False,
+        prompt_length + 1 if prompt_length else 0,
+        details=TokenDetails([], offsets, special),
+    )
     content = Content.of(encoded, prompt_chars=prompt_length)
     assert content.first == 1 + prompt_length and content.stop == len(ids) - 1
     windows, plan = late_windows(encoded, content, [], 64)

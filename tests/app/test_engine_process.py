@@ -65,7 +65,7 @@ def engine() -> Iterator[tuple[EngineProcess, socket.socket, FrontEnd]]:
 
 
 def submit(request: int) -> Submit:
-    return submit_message(request, 10.0, [Encoded([2, 5, 3], [], None, [], False)], Wants())
+    return submit_message(request, 10.0, [Encoded([2, 5, 3], False)], Wants())
 
 
 def sent(*messages: Submit | Abort) -> bytes:
@@ -85,7 +85,7 @@ def sent(*messages: Submit | Abort) -> bytes:
 def test_what_a_request_wants_crosses_the_wire_and_plain_kinds_are_built_once(
     wants: Wants,
 ) -> None:
-    encoded = [Encoded([2, 5, 3], [], None, [], False)]
+    encoded = [Encoded([2, 5, 3], False)]
     [raw] = Frames().feed(sent(submit_message(1, 10.0, encoded, wants)))
     [message] = to_engine_decoder.decode(raw).messages
     assert isinstance(message, Submit)
@@ -124,7 +124,7 @@ def test_a_front_end_that_goes_away_abandons_its_requests(
     engine: tuple[EngineProcess, socket.socket, FrontEnd],
 ) -> None:
     process, ours, frontend = engine
-    ticket = Ticket([Encoded([2, 3], [], None, [], False)], Wants(), time.perf_counter(), None)
+    ticket = Ticket([Encoded([2, 3], False)], Wants(), time.perf_counter(), None)
     process.tickets[(frontend, 1)] = ticket
     ours.close()
     process._read(frontend)
@@ -203,7 +203,7 @@ def test_a_batch_answers_a_front_end_in_one_message_after_its_failures(
     process, ours, frontend = engine
     tickets = []
     for request in (1, 2, 3):
-        ticket = Ticket([Encoded([2, 3], [], None, [], False)], Wants(), 0.0, (frontend, request))
+        ticket = Ticket([Encoded([2, 3], False)], Wants(), 0.0, (frontend, request))
         process.tickets[frontend, request] = ticket
         tickets.append(ticket)
     process._deliver(

@@ -19,6 +19,7 @@ import pytest
 
 from app.engine.batcher import Batcher
 from app.errors import OverloadedError
+from app.middleware import BodyDeadline
 from app.tokenization import INLINE_CHARS, TOKENIZER_THREADS
 from model import Embedder
 from tests.app.conftest import (
@@ -304,6 +305,31 @@ async def test_body_timeout(tiny_checkpoint: Path) -> None:
         "error": "the body did not arrive within the body timeout of 1 s",
         "error_type": "BodyTimeout",
     }
+
+
+async def test_a_body_deadline_ends_only_its_own_wait() -> None:
+    """Past its time the read stops and says so; a cancellation from elsewhere (a shutdown)
+    still cancels; a read that finished in time is never cancelled later."""
+
+    async def read(seconds: float, wait: float) -> bool:
+        with BodyDeadline(seconds) as deadline:
+            await asyncio.sleep(wait)
+        await asyncio.sleep(0.1)  # past the deadline: its timer must be gone
+        return deadline.expired
+
+    assert await read(0.05, 10) is True
+    assert await read(0.05, 0) is False
+    outside = asyncio.ensure_future(read(10, 10))
+    await asyncio.sleep(0.05)
+    outside.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await outside
+    both = asyncio.ensure_future(read(0.05, 10))
+    await asyncio.sleep(0.02)
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.03, both.cancel)  # cancelled by someone else as the deadline passes
+    with pytest.raises(asyncio.CancelledError):
+        await both
 
 
 async def test_a_request_whose_time_went_on_tokenizing_is_not_queued(

@@ -173,7 +173,7 @@ async def test_what_one_turn_of_the_event_loop_sends_goes_as_one_message_in_orde
     link = EngineLink(0)
     transport = Written()
     link.connection_made(transport)
-    encoded = [Encoded([2, 5, 3], [], None, [], False)]
+    encoded = [Encoded([2, 5, 3], False)]
     for request in (1, 2):
         link.send(encoded_message(submit_message(request, 1.0, encoded, Wants())))
     link.send(encoded_message(Abort(1)))

@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from tokenizers import Encoding
 
 from model import ConfigError, Embedder, InputTooLongError, TokenIdError
-from model.tokenizer import CHARS_PER_TOKEN, CUT_MARGIN
+from model.tokenizer import CHARS_PER_TOKEN, CUT_MARGIN, Encoded, TokenDetails
 from tests.helpers import TINY_VOCAB, tiny_tokenizer
 
 LONG = " ".join(["hello world"] * 40)  # 80 words, over the tiny model's 48 tokens
@@ -21,6 +22,27 @@ def test_offsets_tokens_and_special_flags(tiny_embedder: Embedder) -> None:
     assert encoded.offsets == [(0, 0), (0, 5), (5, 6), (7, 12), (0, 0)]
     assert encoded.special == [True, False, False, False, True]
     assert not encoded.truncated
+
+
+def test_a_texts_details_are_read_off_its_encoding_once_asked_for(
+    tiny_embedder: Embedder,
+) -> None:
+    """Routes that answer vectors never turn tokens, offsets and flags into lists."""
+    expected = TokenDetails(
+        ["[CLS]", "hello", ",", "world", "[SEP]"],
+        [(0, 0), (0, 5), (5, 6), (7, 12), (0, 0)],
+        [True, False, False, False, True],
+    )
+    [encoded] = tiny_embedder.tokenize(["Hello, world"])
+    assert isinstance(encoded.details, Encoding)
+    # Equal by what the details hold, read yet or not.
+    assert encoded == Encoded(encoded.ids, False, details=expected)
+    moved = TokenDetails(expected.tokens, [(0, 0)] * 5, expected.special)
+    assert encoded != Encoded(encoded.ids, False, details=moved)
+    [encoded] = tiny_embedder.tokenize(["Hello, world"])
+    assert encoded.offsets == expected.offsets
+    details: object = encoded.details  # read once asked for, and kept
+    assert details == expected
 
 
 def test_truncation_right_and_left(tiny_embedder: Embedder) -> None:
