@@ -91,9 +91,13 @@ class Encoded:
     def _details(self) -> TokenDetails:
         details = self.details
         if isinstance(details, Encoding):
-            special = [bool(flag) for flag in details.special_tokens_mask]
-            details = self.details = TokenDetails(details.tokens, details.offsets, special)
+            details = self.details = details_of(details)
         return details
+
+
+def details_of(encoding: Encoding) -> TokenDetails:
+    special = [bool(flag) for flag in encoding.special_tokens_mask]
+    return TokenDetails(encoding.tokens, encoding.offsets, special)
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,11 +370,14 @@ class TextTokenizer:
     ) -> Encoded:
         if not truncate and len(encoding.ids) > self.max_length:
             raise InputTooLongError(index, len(encoding.ids), self.max_length, at_least=was_cut)
+        truncated = bool(encoding.overflowing)
         return Encoded(
             ids=encoding.ids,
-            truncated=bool(encoding.overflowing),
+            truncated=truncated,
             prompt_length=prompt_length,
-            details=encoding,
+            # A truncated text's Encoding holds the tokens cut off too: read now, so that
+            # those are not kept for the request's life.
+            details=details_of(encoding) if truncated else encoding,
         )
 
     def _cut_keeping_prompt(self, encoded: Encoded, prompt_chars: int) -> Encoded:

@@ -7,11 +7,12 @@ The tiny model's tokenizer makes counts exact: "hello" is [CLS] hello [SEP], 3 t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -309,27 +310,57 @@ async def test_body_timeout(tiny_checkpoint: Path) -> None:
 
 async def test_a_body_deadline_ends_only_its_own_wait() -> None:
     """Past its time the read stops and says so; a cancellation from elsewhere (a shutdown)
-    still cancels; a read that finished in time is never cancelled later."""
+    still cancels, even one in the same instant; a read that finished in time is never
+    cancelled later; and the task's count of cancellations comes back as it was."""
 
-    async def read(seconds: float, wait: float) -> bool:
-        with BodyDeadline(seconds) as deadline:
-            await asyncio.sleep(wait)
+    class AlsoCancelledThen(BodyDeadline):
+        __slots__ = ()
+
+        def _expire(self) -> None:
+            super()._expire()
+            self._task.cancel()  # someone else, at the same moment
+
+    async def read(
+        seconds: float, wait: float, swallow: bool = False, kind: type[BodyDeadline] = BodyDeadline
+    ) -> bool:
+        with kind(seconds) as deadline:
+            try:
+                await asyncio.sleep(wait)
+            except asyncio.CancelledError:
+                if not swallow:
+                    raise
         await asyncio.sleep(0.1)  # past the deadline: its timer must be gone
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0
         return deadline.expired
 
-    assert await read(0.05, 10) is True
-    assert await read(0.05, 0) is False
-    outside = asyncio.ensure_future(read(10, 10))
+    def task_of(reading: Coroutine[Any, Any, bool]) -> asyncio.Task[bool]:
+        """A task of its own: the deadline cancels the task it is made in."""
+        return asyncio.ensure_future(reading)
+
+    assert await task_of(read(0.05, 10)) is True
+    assert await task_of(read(0.05, 0)) is False
+    # The block took the cancellation and went on: no 408, and nothing left pending.
+    assert await task_of(read(0.05, 10, swallow=True)) is False
+    outside = task_of(read(10, 10))
     await asyncio.sleep(0.05)
     outside.cancel()
     with pytest.raises(asyncio.CancelledError):
         await outside
-    both = asyncio.ensure_future(read(0.05, 10))
-    await asyncio.sleep(0.02)
-    loop = asyncio.get_running_loop()
-    loop.call_later(0.03, both.cancel)  # cancelled by someone else as the deadline passes
     with pytest.raises(asyncio.CancelledError):
-        await both
+        await task_of(read(0.05, 10, kind=AlsoCancelledThen))
+
+    async def cancelled_before() -> bool:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):  # taken, its count left at 1
+            await asyncio.sleep(1)
+        with BodyDeadline(0.05) as deadline:
+            await asyncio.sleep(10)
+        return deadline.expired
+
+    assert await task_of(cancelled_before()) is True
 
 
 async def test_a_request_whose_time_went_on_tokenizing_is_not_queued(

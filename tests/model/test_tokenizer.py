@@ -43,6 +43,9 @@ def test_a_texts_details_are_read_off_its_encoding_once_asked_for(
     assert encoded.offsets == expected.offsets
     details: object = encoded.details  # read once asked for, and kept
     assert details == expected
+    # A truncated text's are read at once: its Encoding also holds the tokens cut off.
+    [long] = tiny_embedder.tokenize([LONG])
+    assert long.truncated and isinstance(long.details, TokenDetails)
 
 
 def test_truncation_right_and_left(tiny_embedder: Embedder) -> None:
