@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -24,6 +25,7 @@ import tempfile
 import time
 from collections.abc import MutableMapping, Sequence
 from contextlib import ExitStack
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +33,9 @@ import numpy as np
 import orjson
 import uvloop
 
-from app.engine.local import LocalEngine
-from app.engine.protocol import ItemResult, Outcome
+from app.engine.batcher import Ticket
+from app.engine.local import LocalEngine, LocalPending
+from app.engine.protocol import ItemResult, Outcome, Wants
 from app.main import create_app
 from app.metrics import Metrics
 from app.settings import Settings
@@ -43,33 +46,29 @@ from model import Encoded
 
 RESULTS = Path(__file__).resolve().parent / "results" / "frontend_cost.json"
 CALLERS = 32
-WARM_UP_REQUESTS = 3000
+WARM_UP_SECONDS = 1.5
 
 
-async def drive(model: Path, seconds: float) -> float:
-    """CPU µs per request of this process's app over `seconds` of requests."""
+@dataclass(frozen=True)
+class Round:
+    us_per_request: float  # of CPU, the whole process's
+    requests: int
+
+
+async def drive(model: Path, seconds: float) -> Round:
+    """This process's app over `seconds` of requests, after a warm-up."""
     vector = np.random.default_rng(0).random(32, dtype=np.float32)
-
-    class Answered:
-        __slots__ = ("future",)
-
-        def __init__(self, future: asyncio.Future[Outcome]) -> None:
-            self.future = future
-
-        def abort(self, error: Exception) -> None:
-            if not self.future.done():
-                self.future.set_exception(error)
 
     class InstantEngine(LocalEngine):
         """The model loaded for real (its card, the warm-up); each submission then answered
-        on the next turn of the loop."""
+        on the next turn of the loop, with a fixed vector per input."""
 
-        def submit(self, encoded: Sequence[Encoded], wants: Any, deadline: float) -> Any:
+        def submit(self, encoded: Sequence[Encoded], wants: Wants, deadline: float) -> LocalPending:
             loop = asyncio.get_running_loop()
             future: asyncio.Future[Outcome] = loop.create_future()
             items = [ItemResult(vector) for _ in encoded]
             loop.call_soon(future.set_result, Outcome(items, 0.0, 0.0))
-            return Answered(future)
+            return LocalPending(future, Ticket(encoded, wants, deadline, future))
 
     assert isinstance(asyncio.get_event_loop_policy(), uvloop.EventLoopPolicy)
     settings = Settings(model_id=str(model), devices=["cpu"], dtype="float32", threads=1)
@@ -89,52 +88,42 @@ async def drive(model: Path, seconds: float) -> float:
                 status.append(message["status"])
 
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/embed",
-            "raw_path": b"/embed",
-            "query_string": b"",
-            "root_path": "",
-            "headers": headers,
-            "client": ("127.0.0.1", 1234),
-            "server": ("127.0.0.1", 80),
-        }
+        # What the app reads of a POST /embed's scope (the fast path, app/dispatch.py).
+        scope = {"type": "http", "method": "POST", "path": "/embed", "headers": headers}
         await app(scope, receive, send)
         if status != [200]:
             raise SystemExit(f"POST /embed answered {status}")
 
-    async def callers(until: float | None, count: int) -> int:
+    async def callers(seconds: float) -> int:
+        """Requests made by CALLERS concurrent callers for `seconds`."""
+        until = time.perf_counter() + seconds
         done = 0
 
         async def caller(first: int) -> None:
             nonlocal done
-            index = first
-            while (until is None and index < count) or (until and time.perf_counter() < until):
+            for index in itertools.count(first, CALLERS):
+                if time.perf_counter() >= until:
+                    return
                 await one(bodies[index % len(bodies)])
-                index += CALLERS
                 done += 1
 
         await asyncio.gather(*(caller(k) for k in range(CALLERS)))
         return done
 
     async with app.router.lifespan_context(app):
-        await callers(None, WARM_UP_REQUESTS)
+        await callers(WARM_UP_SECONDS)
         started = time.process_time()
-        requests = await callers(time.perf_counter() + seconds, 0)
-        return (time.process_time() - started) / requests * 1e6
+        requests = await callers(seconds)
+        return Round((time.process_time() - started) / requests * 1e6, requests)
 
 
 def child(model: Path, seconds: float) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the server sets it
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    print(json.dumps({"us_per_request": asyncio.run(drive(model, seconds))}))
+    print(json.dumps(asdict(asyncio.run(drive(model, seconds)))))
 
 
-def run_round(source: Path, pin: list[str], model: Path, seconds: float) -> float:
+def run_round(source: Path, pin: list[str], model: Path, seconds: float) -> Round:
     """One fresh process of `source`'s app; this file drives it, so any revision can be (-P:
     `source` first on the path, not this file's folder)."""
     command = [*pin, sys.executable, "-P", __file__, "--child", str(model)]
@@ -149,7 +138,7 @@ def run_round(source: Path, pin: list[str], model: Path, seconds: float) -> floa
     )
     if done.returncode != 0:
         raise SystemExit(f"the front end of {source} failed:\n{done.stderr[-3000:]}")
-    return float(json.loads(done.stdout.strip().splitlines()[-1])["us_per_request"])
+    return Round(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def main() -> None:
@@ -172,9 +161,13 @@ def main() -> None:
         pin = pinning()
         for round_index in range(args.rounds):  # alternating, so that drift hits all alike
             for name in turns(list(targets), round_index):
-                figure = run_round(targets[name], pin, model, args.seconds)
-                rounds[name].append(figure)
-                print(f"{name}: {figure:6.1f} µs of CPU per request", flush=True)
+                done = run_round(targets[name], pin, model, args.seconds)
+                rounds[name].append(done.us_per_request)
+                print(
+                    f"{name}: {done.us_per_request:6.1f} µs of CPU per request "
+                    f"({done.requests / args.seconds:.0f} requests/s)",
+                    flush=True,
+                )
     for name, figures in rounds.items():
         print(
             f"{name}: best {min(figures):.1f}, median {statistics.median(figures):.1f} µs of "

@@ -80,13 +80,10 @@ class Encoded:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Encoded):
             return NotImplemented
-        return (self.ids, self.truncated, self.prompt_length, self.type_ids, self._details()) == (
-            other.ids,
-            other.truncated,
-            other.prompt_length,
-            other.type_ids,
-            other._details(),
-        )
+        return self._compared() == other._compared()
+
+    def _compared(self) -> tuple[object, ...]:
+        return self.ids, self.truncated, self.prompt_length, self.type_ids, self._details()
 
     def _details(self) -> TokenDetails:
         details = self.details

@@ -31,7 +31,7 @@ from app.engine.wire import (
     Abort,
     Frames,
     answers,
-    failure_reply,
+    failed_message,
     framed,
     submitted,
     to_engine_decoder,
@@ -213,7 +213,7 @@ class EngineProcess:
             key: Key = ticket.reply_to  # type: ignore[assignment]
             # Not there: aborted in the same read; its front end waits for nothing.
             if error is not None and self.tickets.pop(key, None) is not None:
-                failures.append(framed(failure_reply(key[1], error)))
+                failures.append(framed(failed_message(key[1], error)))
         if failures:
             frontend.write(b"".join(failures))
 
@@ -230,7 +230,7 @@ class EngineProcess:
             if isinstance(outcome, Outcome):
                 finished.setdefault(frontend, []).append((request, outcome))
             else:
-                failures.setdefault(frontend, []).append(framed(failure_reply(request, outcome)))
+                failures.setdefault(frontend, []).append(framed(failed_message(request, outcome)))
         for frontend in finished.keys() | failures.keys():
             answered = [framed(message) for message in answers(finished.get(frontend, []))]
             frontend.write(b"".join(failures.get(frontend, []) + answered))

@@ -200,7 +200,7 @@ def _plain_wants(
     return Wants(pooled, normalize, dimensions, token_embeddings)
 
 
-def failure_reply(request: int, error: ServiceError) -> Failed:
+def failed_message(request: int, error: ServiceError) -> Failed:
     retry_after = error.retry_after if isinstance(error, OverloadedError) else 0
     return Failed(request, error.error_type, error.message, retry_after)
 

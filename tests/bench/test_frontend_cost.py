@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.frontend_cost import run_round
+from bench.frontend_cost import CALLERS, run_round
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_round_reads_the_front_ends_cpu_per_request(tiny_checkpoint: Path) -> None:
-    figure = run_round(ROOT, [], tiny_checkpoint, 0.3)
-    # Every request went through the app and was answered 200 (else the round fails): a
-    # front end's Python takes tens of microseconds per request at the least.
-    assert 10 < figure < 100_000
+    """Any request not answered 200 fails the round; every caller got answers, and the CPU
+    they cost was counted."""
+    done = run_round(ROOT, [], tiny_checkpoint, 0.3)
+    assert done.requests > CALLERS and done.us_per_request > 0
