@@ -19,9 +19,9 @@ from app.engine.batcher import Batcher, Deliver
 from app.engine.compute import ComputeThread
 from app.metrics import ModelMetrics
 from app.settings import ServedModel, Settings
+from app.tasks import TASKS
 from model import Embedder, Encoded
 from model.codec import ModelCard
-from model.info import Task
 from model.prepacked import kernel_names
 from model.quantization import builtin_calibration_texts, read_calibration_file
 from model.shared_weights import WeightStore
@@ -75,7 +75,7 @@ class ModelEngine:
         self.compute: ComputeThread | None = None
 
     def load(self, deliver: Deliver) -> ModelCard:
-        """Load the model, warm it up, embed the calibration texts (an embedding model), start
+        """Load the model, warm it up, embed the calibration texts (a task with codes), start
         the batch worker; blocks until done."""
         settings = self.settings
         threads = settings.engine_threads()
@@ -111,7 +111,7 @@ class ModelEngine:
         info = embedder.info
         # Before the batch worker starts: from then on it holds the compute thread.
         calibration = None
-        if info.task is Task.EMBED:
+        if TASKS[info.task].codes:
             calibration = compute.submit(self._calibrate, embedder).result()
         self.metrics.model_info.labels(self.served.name, info.dtype, info.device).set(1)
         share_the_gil(info.device)

@@ -41,10 +41,9 @@ from app.schemas import (
     TokenizeRequest,
 )
 from app.service import EmbeddingService, EncodeResult
-from app.tasks import require_task
+from app.tasks import TASKS, require_task
 from app.tasks.classifier import is_reranker, probabilities
 from app.tokenization import TOKENIZER_THREADS
-from model.info import Task
 from model.vectors import FloatArray
 
 Response = TypeVar("Response", bound=Message)
@@ -52,6 +51,12 @@ Body = TypeVar("Body", bound=BaseModel)
 DIRECTIONS: dict[int, str] = {
     pb.TRUNCATION_DIRECTION_RIGHT: "right",
     pb.TRUNCATION_DIRECTION_LEFT: "left",
+}
+# tei.v1's model types, by the key of /info's model_type (app/tasks/).
+MODEL_TYPES: dict[str, pb.ModelType] = {
+    "embedding": pb.MODEL_TYPE_EMBEDDING,
+    "classifier": pb.MODEL_TYPE_CLASSIFIER,
+    "reranker": pb.MODEL_TYPE_RERANKER,
 }
 
 
@@ -142,10 +147,10 @@ class TeiServicer:
         service = self.service()
         model = service.info
         settings = service.settings
-        if model.task == Task.CLASSIFY:
-            kind = pb.MODEL_TYPE_RERANKER if is_reranker(model) else pb.MODEL_TYPE_CLASSIFIER
-        else:  # sparse models embed too: tei.v1 has no other value for them
-            kind = pb.MODEL_TYPE_EMBEDDING
+        # The task's own description, as /info gives it: sparse models are embeddings there
+        # too (tei.v1 has no other value for them).
+        (described,) = TASKS[model.task].tei_model_type(model)
+        kind = MODEL_TYPES[described]
         return Reply(
             pb.InfoResponse(
                 version=package_version(),

@@ -34,6 +34,9 @@ class TaskSpec:
     # The engine's last step: each input's output from its pooled row (None where the
     # input wants none), one call per batch.
     finish: Callable[[FloatArray, Sequence[Wants]], list[Output | None]]
+    # Whether its vectors may be asked for as int8 or uint8 codes, whose ranges the engine
+    # reads off the model's vectors of the calibration texts at start-up.
+    codes: bool = False
 
 
 def _specs() -> Mapping[Task, TaskSpec]:

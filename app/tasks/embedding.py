@@ -54,4 +54,5 @@ SPEC = TaskSpec(
     main_path,
     tei_model_type,
     finish_vectors,
+    codes=True,
 )
