@@ -92,9 +92,11 @@ class Encoded:
         return details
 
 
-def details_of(encoding: Encoding) -> TokenDetails:
+def details_of(encoding: Encoding, offsets: list[tuple[int, int]] | None = None) -> TokenDetails:
+    """`encoding`'s details, with `offsets` in place of its own where given (a pair's, moved
+    into the text each token comes from)."""
     special = [bool(flag) for flag in encoding.special_tokens_mask]
-    return TokenDetails(encoding.tokens, encoding.offsets, special)
+    return TokenDetails(encoding.tokens, encoding.offsets if offsets is None else offsets, special)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,9 +258,9 @@ class TextTokenizer:
                     ids=encoding.ids,
                     truncated=any(was_cut) or kept != counts,
                     type_ids=encoding.type_ids if self.token_types else None,
-                    details=TokenDetails(
-                        tokens=encoding.tokens,
-                        offsets=[
+                    details=details_of(
+                        encoding,
+                        [
                             (start + shift[seq], end + shift[seq])
                             if seq is not None
                             else (start, end)
@@ -266,7 +268,6 @@ class TextTokenizer:
                                 encoding.sequence_ids, encoding.offsets, strict=True
                             )
                         ],
-                        special=[bool(flag) for flag in encoding.special_tokens_mask],
                     ),
                 )
             )

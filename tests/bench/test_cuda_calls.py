@@ -16,7 +16,7 @@ pytestmark = [
 
 
 def test_every_call_is_timed() -> None:
-    timings = {name: timed(call, calls=20, rounds=2) for name, call in pass_calls().items()}
-    assert len(timings) == 8
-    for best, median in timings.values():
-        assert 0 < best <= median and math.isfinite(median)
+    """Each call runs (a failing one raises) and takes a finite, non-zero time."""
+    for call in pass_calls().values():
+        best, median = timed(call, calls=20, rounds=2)
+        assert best > 0 and math.isfinite(median)
