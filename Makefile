@@ -82,6 +82,7 @@ bench:
 	$(BIN)/python -m bench.serving_cost
 	$(BIN)/python -m bench.engine_cost
 	$(BIN)/python -m bench.frontend_cost
+	$(BIN)/python -m bench.tokenizing
 	$(BIN)/python -m bench.startup
 	$(BIN)/python -m bench.memory
 	$(BIN)/python -m bench.grpc_cost  # needs h2load (Debian's nghttp2-client)

@@ -17,6 +17,7 @@ import orjson
 from tokenizers import Encoding, Tokenizer, normalizers
 
 from model.errors import InputError, InputTooLongError, TokenIdError
+from model.plain_ascii import is_plain, plain_ascii_json
 
 Direction = Literal["right", "left"]
 TokenizerInput = str | Sequence[int]
@@ -149,18 +150,34 @@ class TextTokenizer:
             tokenizer_json, max_length, vocab_size, lowercase, self.truncation_side, token_types
         )
         self._lowercase = lowercase
-        self._untruncated = self._configured(tokenizer_json, None)
-        self._truncating: dict[Direction, Tokenizer] = {
+        self._untruncated, self._truncating, self._pair_texts = self._set_of(tokenizer_json)
+        # Their twins for plain ASCII text, where the model's tokenizer is BERT's kind
+        # (model/plain_ascii.py), by the id of the tokenizer each stands in for.
+        self._plain_twins: dict[int, Tokenizer] = {}
+        if (plain_json := plain_ascii_json(tokenizer_json)) is not None:
+            untruncated, truncating, pair_texts = self._set_of(plain_json)
+            self._plain_twins = {
+                id(self._untruncated): untruncated,
+                id(self._pair_texts): pair_texts,
+                **{id(self._truncating[side]): truncating[side] for side in truncating},
+            }
+        added = self._untruncated.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, token in added.items() if token.special)
+        self._prompt_lengths: dict[str, int] = {}
+
+    def _set_of(
+        self, tokenizer_json: str
+    ) -> tuple[Tokenizer, dict[Direction, Tokenizer], Tokenizer]:
+        """The tokenizer without truncation, with it on each side, and for a pair's texts."""
+        truncating: dict[Direction, Tokenizer] = {
             "right": self._configured(tokenizer_json, "right"),
             "left": self._configured(tokenizer_json, "left"),
         }
         # The texts of a pair are tokenized one by one without the post-processor, which
         # then runs once on the pair (`post_process`): it truncates and adds the template.
-        self._pair_texts = self._configured(tokenizer_json, None)
-        self._pair_texts.post_processor = None
-        added = self._untruncated.get_added_tokens_decoder()
-        self._special_ids = frozenset(i for i, token in added.items() if token.special)
-        self._prompt_lengths: dict[str, int] = {}
+        pair_texts = self._configured(tokenizer_json, None)
+        pair_texts.post_processor = None
+        return self._configured(tokenizer_json, None), truncating, pair_texts
 
     def _configured(self, tokenizer_json: str, direction: Direction | None) -> Tokenizer:
         # tokenizer.json files often carry padding and truncation from training; drop both.
@@ -224,7 +241,7 @@ class TextTokenizer:
             check_unicode(index, second)
             texts += (first, second)
         cut = [self._cut(text, direction) for text in texts]
-        pieces = _encode(self._pair_texts, cut, False)
+        pieces = self._encode(self._pair_texts, cut, False)
         added = self._untruncated.num_special_tokens_to_add(True)
         budget = max(self.max_length - added, 0)  # tokens left for the two texts
         results = []
@@ -233,7 +250,7 @@ class TextTokenizer:
             for side in sides:
                 if cut[side] is not texts[side] and len(pieces[side].ids) < budget + CUT_MARGIN:
                     # Too few tokens for the cut to be trusted: tokenize the whole text.
-                    [pieces[side]] = _encode(self._pair_texts, [texts[side]], False)
+                    [pieces[side]] = self._encode(self._pair_texts, [texts[side]], False)
                     cut[side] = texts[side]
             was_cut = (cut[sides[0]] is not texts[sides[0]], cut[sides[1]] is not texts[sides[1]])
             counts = (len(pieces[sides[0]].ids), len(pieces[sides[1]].ids))
@@ -277,12 +294,12 @@ class TextTokenizer:
         """One text (with `prompt` in front) with every token, however many: a document to be
         cut into chunks, never truncated. The caller bounds its length (characters)."""
         check_unicode(0, text)
-        [encoding] = _encode(self._untruncated, [prompt + text], True)
+        [encoding] = self._encode(self._untruncated, [prompt + text], True)
         prompt_length = self.prompt_length(prompt) if prompt else 0
         return self._from_encoding(0, encoding, True, prompt_length=prompt_length)
 
     def _whole_length(self, text: str) -> int:
-        [encoding] = _encode(self._pair_texts, [text], False)
+        [encoding] = self._encode(self._pair_texts, [text], False)
         return len(encoding.ids)
 
     def _encode_texts(
@@ -300,7 +317,7 @@ class TextTokenizer:
         )
         cut = {index: self._cut(text, direction) for index, text in texts}
         batch = [prompt + cut[index] for index, _ in texts]
-        encodings = _encode(tokenizer, batch, add_special_tokens)
+        encodings = self._encode(tokenizer, batch, add_special_tokens)
         prompt_length = self.prompt_length(prompt) if prompt else 0
         results: dict[int, Encoded] = {}
         for (index, text), encoding in zip(texts, encodings, strict=True):
@@ -309,7 +326,7 @@ class TextTokenizer:
                 encoding, untruncated=tokenizer is self._untruncated
             ):
                 # The cut text does not overflow by the margin: tokenize the whole text.
-                [encoding] = _encode(tokenizer, [prompt + text], add_special_tokens)
+                [encoding] = self._encode(tokenizer, [prompt + text], add_special_tokens)
                 was_cut = False
             result = self._from_encoding(
                 index, encoding, truncate, was_cut=was_cut, prompt_length=prompt_length
@@ -321,6 +338,15 @@ class TextTokenizer:
                 result = self._cut_keeping_prompt(result, len(prompt))
             results[index] = result
         return results
+
+    def _encode(
+        self, tokenizer: Tokenizer, texts: list[str], add_special_tokens: bool
+    ) -> list[Encoding]:
+        """`tokenizer` on `texts`, through its plain ASCII twin where every text is plain."""
+        twin = self._plain_twins.get(id(tokenizer))
+        if twin is not None and all(map(is_plain, texts)):
+            tokenizer = twin
+        return _encode(tokenizer, texts, add_special_tokens)
 
     def _cut(self, text: str, direction: Direction) -> str:
         """The side of a long text that truncation keeps, ending at a whitespace if one is
@@ -350,7 +376,7 @@ class TextTokenizer:
         """Tokens of the prompt tokenized alone, less a trailing special token (as
         sentence-transformers measures it)."""
         if prompt not in self._prompt_lengths:
-            [alone] = _encode(self._untruncated, [prompt], True)
+            [alone] = self._encode(self._untruncated, [prompt], True)
             length = len(alone.ids)
             if alone.special_tokens_mask and alone.special_tokens_mask[-1]:
                 length -= 1
