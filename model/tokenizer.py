@@ -113,6 +113,8 @@ class TokenizerSpec:
     token_types: bool = True
 
     def build(self) -> TextTokenizer:
+        """A front end's tokenizer: it tokenizes every request, where plain ASCII twins pay
+        for the memory they take (an engine's only tokenizes its warm-up)."""
         return TextTokenizer(
             self.tokenizer_json,
             self.max_length,
@@ -120,6 +122,7 @@ class TokenizerSpec:
             lowercase=self.lowercase,
             truncation_side=self.truncation_side,
             token_types=self.token_types,
+            plain_ascii_twins=True,
         )
 
 
@@ -135,7 +138,11 @@ class TextTokenizer:
         lowercase: bool = False,
         truncation_side: Direction | None = None,
         token_types: bool = True,
+        plain_ascii_twins: bool = False,
     ) -> None:
+        """`plain_ascii_twins`: tokenize plain ASCII text through twins that skip a BERT
+        tokenizer's Unicode lookups (model/plain_ascii.py), at the memory of a second copy of
+        the vocabulary per truncation setting."""
         self.max_length = max_length
         # Whether a pair's encodings carry segment ids (model/tokenizer_class.py).
         self.token_types = token_types
@@ -151,10 +158,11 @@ class TextTokenizer:
         )
         self._lowercase = lowercase
         self._untruncated, self._truncating, self._pair_texts = self._set_of(tokenizer_json)
-        # Their twins for plain ASCII text, where the model's tokenizer is BERT's kind
-        # (model/plain_ascii.py), by the id of the tokenizer each stands in for.
+        # Their twins for plain ASCII text, where the model's tokenizer is BERT's kind, by the
+        # id of the tokenizer each stands in for.
         self._plain_twins: dict[int, Tokenizer] = {}
-        if (plain_json := plain_ascii_json(tokenizer_json)) is not None:
+        plain_json = plain_ascii_json(tokenizer_json) if plain_ascii_twins else None
+        if plain_json is not None:
             untruncated, truncating, pair_texts = self._set_of(plain_json)
             self._plain_twins = {
                 id(self._untruncated): untruncated,

@@ -129,13 +129,16 @@ def test_the_twin_tokenizes_plain_text_as_the_model_does(
     assert same(tokenizer.encode(text, other), twin.encode(text, other))
 
 
-def test_a_bert_tokenizer_keeps_a_twin_for_each_of_its_settings(minilm: Embedder) -> None:
+def test_a_front_ends_bert_tokenizer_keeps_a_twin_for_each_of_its_settings(
+    minilm: Embedder,
+) -> None:
+    """A front end's tokenizer has twins; an engine's (the Embedder's) has none."""
     spec = minilm.tokenizer.spec
-    served = TextTokenizer(spec.tokenizer_json, spec.max_length, spec.vocab_size)
+    served = spec.build()
     # Without truncation, with it on either side, and a pair's texts.
     assert len(served._plain_twins) == 4
-    without = TextTokenizer(spec.tokenizer_json, spec.max_length, spec.vocab_size)
-    without._plain_twins.clear()
+    without = minilm.tokenizer
+    assert without._plain_twins == {}
     inputs = ["Plain text, as most is.", "Not plain: café", "tab\tand line\nbreak"]
     for truncate in (True, False):
         assert served.encode(inputs, truncate=truncate) == without.encode(inputs, truncate=truncate)
@@ -145,7 +148,7 @@ def test_a_bert_tokenizer_keeps_a_twin_for_each_of_its_settings(minilm: Embedder
 
 def test_a_tokenizer_of_another_kind_has_no_twin(tiny_embedder: Embedder) -> None:
     """The tests' tiny tokenizer is BERT's kind; a byte-level one is not."""
-    assert len(tiny_embedder.tokenizer._plain_twins) == 4
+    assert len(tiny_embedder.tokenizer.spec.build()._plain_twins) == 4
     spec = orjson.loads(tiny_embedder.tokenizer.spec.tokenizer_json)
     spec["pre_tokenizer"] = {
         "type": "ByteLevel",
@@ -153,7 +156,7 @@ def test_a_tokenizer_of_another_kind_has_no_twin(tiny_embedder: Embedder) -> Non
         "trim_offsets": True,
         "use_regex": True,
     }
-    other = TextTokenizer(orjson.dumps(spec).decode(), 48, 100)
+    other = TextTokenizer(orjson.dumps(spec).decode(), 48, 100, plain_ascii_twins=True)
     assert other._plain_twins == {}
 
 
