@@ -50,13 +50,17 @@ def is_plain(text: str) -> bool:
 
 
 def plain_ascii_json(tokenizer_json: str) -> str | None:
-    """The tokenizer of `tokenizer_json` with a normalizer that gives plain ASCII text
-    (`is_plain`) the tokens and offsets its own gives it, with less work, as JSON; None unless
-    it is BERT's kind (a `BertNormalizer`, alone or with steps known to change no ASCII text
-    but by lowercasing it, and BERT's pre-tokenizer)."""
+    """The tokenizer of `tokenizer_json` with a normalizer and a pre-tokenizer that give plain
+    ASCII text (`is_plain`) the tokens and offsets its own give it, with less work, as JSON;
+    None unless it is BERT's kind (a `BertNormalizer`, alone or with steps known to change no
+    ASCII text but by lowercasing it, and BERT's pre-tokenizer) and no added token is matched
+    in the normalized text (`normalized`: its content is normalized by the same normalizer,
+    and BERT's would match an accented or tabbed one where lowercasing does not)."""
     spec = orjson.loads(tokenizer_json)
     pre_tokenizer = spec.get("pre_tokenizer") or {}
     if pre_tokenizer.get("type") != "BertPreTokenizer":
+        return None
+    if any(token.get("normalized") for token in spec.get("added_tokens") or []):
         return None
     steps = _steps(spec.get("normalizer"))
     if steps is None or not any(step["type"] == "BertNormalizer" for step in steps):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import orjson
 from tokenizers import Encoding, Tokenizer, normalizers
@@ -126,6 +126,17 @@ class TokenizerSpec:
         )
 
 
+class _TokenizerSet(NamedTuple):
+    """A tokenizer without truncation, with it on each side, and for a pair's texts."""
+
+    untruncated: Tokenizer
+    truncating: dict[Direction, Tokenizer]
+    pair_texts: Tokenizer
+
+    def each(self) -> list[Tokenizer]:
+        return [self.untruncated, *self.truncating.values(), self.pair_texts]
+
+
 class TextTokenizer:
     """Thread-safe: each truncation setting has its own immutable `Tokenizer`."""
 
@@ -157,26 +168,21 @@ class TextTokenizer:
             tokenizer_json, max_length, vocab_size, lowercase, self.truncation_side, token_types
         )
         self._lowercase = lowercase
-        self._untruncated, self._truncating, self._pair_texts = self._set_of(tokenizer_json)
+        tokenizers = self._set_of(tokenizer_json)
+        self._untruncated, self._truncating, self._pair_texts = tokenizers
         # Their twins for plain ASCII text, where the model's tokenizer is BERT's kind, by the
-        # id of the tokenizer each stands in for.
-        self._plain_twins: dict[int, Tokenizer] = {}
+        # tokenizer each stands in for.
+        self._plain_twins: dict[Tokenizer, Tokenizer] = {}
         plain_json = plain_ascii_json(tokenizer_json) if plain_ascii_twins else None
         if plain_json is not None:
-            untruncated, truncating, pair_texts = self._set_of(plain_json)
-            self._plain_twins = {
-                id(self._untruncated): untruncated,
-                id(self._pair_texts): pair_texts,
-                **{id(self._truncating[side]): truncating[side] for side in truncating},
-            }
+            self._plain_twins = dict(
+                zip(tokenizers.each(), self._set_of(plain_json).each(), strict=True)
+            )
         added = self._untruncated.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
         self._prompt_lengths: dict[str, int] = {}
 
-    def _set_of(
-        self, tokenizer_json: str
-    ) -> tuple[Tokenizer, dict[Direction, Tokenizer], Tokenizer]:
-        """The tokenizer without truncation, with it on each side, and for a pair's texts."""
+    def _set_of(self, tokenizer_json: str) -> _TokenizerSet:
         truncating: dict[Direction, Tokenizer] = {
             "right": self._configured(tokenizer_json, "right"),
             "left": self._configured(tokenizer_json, "left"),
@@ -185,7 +191,7 @@ class TextTokenizer:
         # then runs once on the pair (`post_process`): it truncates and adds the template.
         pair_texts = self._configured(tokenizer_json, None)
         pair_texts.post_processor = None
-        return self._configured(tokenizer_json, None), truncating, pair_texts
+        return _TokenizerSet(self._configured(tokenizer_json, None), truncating, pair_texts)
 
     def _configured(self, tokenizer_json: str, direction: Direction | None) -> Tokenizer:
         # tokenizer.json files often carry padding and truncation from training; drop both.
@@ -350,8 +356,9 @@ class TextTokenizer:
     def _encode(
         self, tokenizer: Tokenizer, texts: list[str], add_special_tokens: bool
     ) -> list[Encoding]:
-        """`tokenizer` on `texts`, through its plain ASCII twin where every text is plain."""
-        twin = self._plain_twins.get(id(tokenizer))
+        """`tokenizer` on `texts`, through its plain ASCII twin where every text is plain (a
+        batch with one other text goes through `tokenizer` whole)."""
+        twin = self._plain_twins.get(tokenizer)
         if twin is not None and all(map(is_plain, texts)):
             tokenizer = twin
         return _encode(tokenizer, texts, add_special_tokens)

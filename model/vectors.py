@@ -19,10 +19,7 @@ def finish(vectors: FloatArray, normalize: bool, dimensions: int | None = None) 
     """
     cut = np.array(vectors[..., :dimensions] if dimensions else vectors, dtype=np.float32)
     if normalize:
-        # What np.linalg.norm computes, in ufuncs (einsum parses its subscripts on every call,
-        # and np.linalg.norm checks its arguments): a batch's fixed cost in an engine.
-        norms = np.vecdot(cut, cut)
-        np.sqrt(norms, out=norms)
-        np.maximum(norms, 1e-12, out=norms)
-        cut /= norms[..., None]
+        # What np.linalg.norm computes, without its checks (which cost more, on a batch).
+        norms = np.sqrt(np.einsum("...d,...d->...", cut, cut))[..., None]
+        cut /= np.maximum(norms, 1e-12)
     return cut

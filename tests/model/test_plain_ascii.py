@@ -3,6 +3,7 @@ tokens, offsets, special flags and what truncation cuts off, alone and in pairs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -11,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Encoding, Tokenizer
 
-from model import Embedder
+from model import Direction, Embedder, InputTooLongError
 from model.plain_ascii import is_plain, plain_ascii_json
 from model.tokenizer import TextTokenizer
 
@@ -129,21 +130,126 @@ def test_the_twin_tokenizes_plain_text_as_the_model_does(
     assert same(tokenizer.encode(text, other), twin.encode(text, other))
 
 
-def test_a_front_ends_bert_tokenizer_keeps_a_twin_for_each_of_its_settings(
-    minilm: Embedder,
-) -> None:
-    """A front end's tokenizer has twins; an engine's (the Embedder's) has none."""
-    spec = minilm.tokenizer.spec
-    served = spec.build()
+class Recording:
+    """A tokenizer that counts the texts it is handed."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.texts = 0
+
+    def encode(self, text: str, **options: Any) -> Encoding:
+        self.texts += 1
+        return self.tokenizer.encode(text, **options)
+
+    def encode_batch(self, texts: list[str], **options: Any) -> list[Encoding]:
+        self.texts += len(texts)
+        return self.tokenizer.encode_batch(texts, **options)
+
+
+def test_a_front_ends_tokenizer_takes_plain_text_through_the_twins(minilm: Embedder) -> None:
+    """A front end's tokenizer has a twin for each setting, used for plain texts only; an
+    engine's (the Embedder's) has none."""
+    served = minilm.tokenizer.spec.build()
+    assert minilm.tokenizer._plain_twins == {}
     # Without truncation, with it on either side, and a pair's texts.
     assert len(served._plain_twins) == 4
-    without = minilm.tokenizer
-    assert without._plain_twins == {}
-    inputs = ["Plain text, as most is.", "Not plain: café", "tab\tand line\nbreak"]
-    for truncate in (True, False):
-        assert served.encode(inputs, truncate=truncate) == without.encode(inputs, truncate=truncate)
-    [tabbed] = served.encode(inputs[2:])
-    assert tabbed.offsets == [(0, 0), (0, 3), (4, 7), (8, 12), (13, 18), (0, 0)]
+    recording = {tokenizer: Recording(twin) for tokenizer, twin in served._plain_twins.items()}
+    served._plain_twins = recording  # type: ignore[assignment]
+    served.encode(["Plain text, as most is.", "tab\tand line\nbreak"])
+    served.encode_pairs([("a query", "a passage")])
+    assert sum(twin.texts for twin in recording.values()) == 4
+    served.encode(["Not plain: café", "plain"])  # one text that is not: all through BERT's
+    served.encode_pairs([("a query", "an accented passage, naïve")])
+    assert sum(twin.texts for twin in recording.values()) == 4
+
+
+def bert_variant(minilm: Embedder, lowercase: bool) -> str:
+    """all-MiniLM-L6-v2's tokenizer.json, its BertNormalizer lowercasing or not."""
+    spec = orjson.loads(minilm.tokenizer.spec.tokenizer_json)
+    spec["normalizer"]["lowercase"] = lowercase
+    return orjson.dumps(spec).decode()
+
+
+def outcome(call: Callable[[], object]) -> object:
+    """What `call` returns, or the error it raises (type and message)."""
+    try:
+        return call()
+    except InputTooLongError as error:
+        return type(error), str(error)
+
+
+@pytest.fixture(scope="module")
+def served_pairs(minilm: Embedder) -> list[tuple[TextTokenizer, TextTokenizer]]:
+    """(with twins, without) for an uncased tokenizer, a cased one, and a cased one served
+    with do_lower_case; 16 tokens, so that truncation, and the cut of long texts, happen."""
+    made = []
+    for lowercase, do_lower_case in ((True, False), (False, False), (False, True)):
+        tokenizer_json = bert_variant(minilm, lowercase)
+        made.append(
+            tuple(
+                TextTokenizer(
+                    tokenizer_json, 16, 30522, lowercase=do_lower_case, plain_ascii_twins=twins
+                )
+                for twins in (True, False)
+            )
+        )
+    return made  # type: ignore[return-value]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.one_of(PLAIN_TEXT, PLAIN_TEXT.map(lambda text: text * 40)),
+    other=PLAIN_TEXT,
+    prompt=st.sampled_from(["", "query: "]),
+    direction=st.sampled_from(["right", "left"]),
+)
+def test_a_tokenizer_with_twins_answers_as_one_without(
+    served_pairs: list[tuple[TextTokenizer, TextTokenizer]],
+    text: str,
+    other: str,
+    prompt: str,
+    direction: Direction,
+) -> None:
+    """Texts long enough to be cut by characters first (40 times a generated one) too."""
+    for with_twins, without in served_pairs:
+        for truncate in (True, False):
+            asked = (text, other, prompt, direction, truncate)
+            assert answers(with_twins, *asked) == answers(without, *asked)
+
+
+def answers(
+    tokenizer: TextTokenizer,
+    text: str,
+    other: str,
+    prompt: str,
+    direction: Direction,
+    truncate: bool,
+) -> list[object]:
+    """The two texts with `prompt`, the two as a pair, and the first whole."""
+    return [
+        outcome(
+            lambda: tokenizer.encode(
+                [text, other], truncate=truncate, direction=direction, prompt=prompt
+            )
+        ),
+        outcome(
+            lambda: tokenizer.encode_pairs([(text, other)], truncate=truncate, direction=direction)
+        ),
+        tokenizer.encode_whole(text, prompt),
+    ]
+
+
+def test_no_twin_where_an_added_token_is_matched_after_normalizing(minilm: Embedder) -> None:
+    """Such a token's content is normalized too: BERT's normalizer would match "Café" in
+    "cafe", which lowercasing alone does not."""
+    spec = orjson.loads(minilm.tokenizer.spec.tokenizer_json)
+    added = {"id": 30522, "content": "Café", "single_word": False, "lstrip": False}
+    spec["added_tokens"].append({**added, "rstrip": False, "normalized": True, "special": False})
+    tokenizer_json = orjson.dumps(spec).decode()
+    assert plain_ascii_json(tokenizer_json) is None
+    twinned = TextTokenizer(tokenizer_json, 256, 30523, plain_ascii_twins=True)
+    [encoded] = twinned.encode(["cafe"])
+    assert encoded.ids[1:-1] == [30522]
 
 
 def test_a_tokenizer_of_another_kind_has_no_twin(tiny_embedder: Embedder) -> None:
