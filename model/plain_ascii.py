@@ -40,23 +40,25 @@ _ASCII_BERT_PRE_TOKENIZER = {
         },
     ],
 }
-# Normalizers that leave plain ASCII text as it is.
-_IDENTITY_ON_ASCII = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
+# The normalizers known to change plain ASCII text by lowercasing it at most (the NF forms
+# leave it as it is).
+_KNOWN_STEPS = frozenset({"BertNormalizer", "Lowercase", "NFC", "NFD", "NFKC", "NFKD"})
 
 
 def is_plain(text: str) -> bool:
-    """Whether `text` is plain ASCII, as the twin takes it."""
+    """Whether `text` is plain ASCII, as the twin takes it (`isascii` first: it reads a flag
+    of the string, where the pattern reads the text)."""
     return text.isascii() and _PLAIN.fullmatch(text) is not None
 
 
-def plain_ascii_json(tokenizer_json: str) -> str | None:
-    """The tokenizer of `tokenizer_json` with a normalizer and a pre-tokenizer that give plain
-    ASCII text (`is_plain`) the tokens and offsets its own give it, with less work, as JSON;
-    None unless it is BERT's kind (a `BertNormalizer`, alone or with steps known to change no
-    ASCII text but by lowercasing it, and BERT's pre-tokenizer) and no added token is matched
-    in the normalized text (`normalized`: its content is normalized by the same normalizer,
-    and BERT's would match an accented or tabbed one where lowercasing does not)."""
-    spec = orjson.loads(tokenizer_json)
+def plain_ascii_json(spec: dict[str, Any]) -> str | None:
+    """The tokenizer of `spec` (a tokenizer.json, parsed) with a normalizer and a
+    pre-tokenizer that give plain ASCII text (`is_plain`) the tokens and offsets its own give
+    it, with less work, as JSON; None unless it is BERT's kind (a `BertNormalizer`, alone or
+    with steps known to change no ASCII text but by lowercasing it, and BERT's pre-tokenizer)
+    and no added token is matched in the normalized text (`normalized`: its content is
+    normalized by the same normalizer, and BERT's would match an accented or tabbed one where
+    lowercasing does not)."""
     pre_tokenizer = spec.get("pre_tokenizer") or {}
     if pre_tokenizer.get("type") != "BertPreTokenizer":
         return None
@@ -69,9 +71,9 @@ def plain_ascii_json(tokenizer_json: str) -> str | None:
         step["type"] == "Lowercase" or (step["type"] == "BertNormalizer" and step["lowercase"])
         for step in steps
     )
-    spec["normalizer"] = {"type": "Lowercase"} if lowercases else None
-    spec["pre_tokenizer"] = _ASCII_BERT_PRE_TOKENIZER
-    return orjson.dumps(spec).decode()
+    normalizer = {"type": "Lowercase"} if lowercases else None
+    twin = {**spec, "normalizer": normalizer, "pre_tokenizer": _ASCII_BERT_PRE_TOKENIZER}
+    return orjson.dumps(twin).decode()
 
 
 def _steps(normalizer: dict[str, Any] | None) -> list[dict[str, Any]] | None:
@@ -86,6 +88,6 @@ def _steps(normalizer: dict[str, Any] | None) -> list[dict[str, Any]] | None:
                 return None
             steps += found
         return steps
-    if normalizer["type"] in {"BertNormalizer", "Lowercase"} | _IDENTITY_ON_ASCII:
+    if normalizer["type"] in _KNOWN_STEPS:
         return [normalizer]
     return None

@@ -161,7 +161,8 @@ class TextTokenizer:
         # The side a request that names none is cut on: as transformers picks it, the folder's
         # tokenizer_config.json (`truncation_side`), else the truncation tokenizer.json saved
         # (which tokenizers writes as Left or Right), else the right.
-        saved = orjson.loads(tokenizer_json).get("truncation") or {}
+        parsed = orjson.loads(tokenizer_json)
+        saved = parsed.get("truncation") or {}
         saved_side: Direction = "left" if saved.get("direction") == "Left" else "right"
         self.truncation_side = truncation_side or saved_side
         self.spec = TokenizerSpec(
@@ -173,7 +174,7 @@ class TextTokenizer:
         # Their twins for plain ASCII text, where the model's tokenizer is BERT's kind, by the
         # tokenizer each stands in for.
         self._plain_twins: dict[Tokenizer, Tokenizer] = {}
-        plain_json = plain_ascii_json(tokenizer_json) if plain_ascii_twins else None
+        plain_json = plain_ascii_json(parsed) if plain_ascii_twins else None
         if plain_json is not None:
             self._plain_twins = dict(
                 zip(tokenizers.each(), self._set_of(plain_json).each(), strict=True)

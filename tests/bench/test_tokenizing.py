@@ -16,4 +16,6 @@ def test_it_prints_both_medians_and_their_ratio(
     tokenizing.main()
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["with", "without", "with"]
-    assert float(lines[-1].rsplit(" ", 1)[1].rstrip("x")) > 0
+    with_twin, without = (float(line.split("median")[1].split()[0]) for line in lines[:2])
+    ratio = float(lines[-1].rsplit(" ", 1)[1].rstrip("x"))
+    assert ratio == pytest.approx(with_twin / without, abs=0.02)

@@ -26,10 +26,8 @@ PLAIN_TEXT = st.lists(
 ).map("".join)
 
 
-def bert_json(**normalizer: Any) -> str:
-    return orjson.dumps(
-        {"normalizer": normalizer, "pre_tokenizer": {"type": "BertPreTokenizer"}}
-    ).decode()
+def bert_spec(**normalizer: Any) -> dict[str, Any]:
+    return {"normalizer": normalizer, "pre_tokenizer": {"type": "BertPreTokenizer"}}
 
 
 def normalizer_of(tokenizer_json: str | None) -> object:
@@ -44,9 +42,10 @@ def test_plain_is_printable_ascii_tabs_and_line_breaks() -> None:
 
 
 def test_a_bert_normalizer_becomes_its_lowercasing() -> None:
-    lowercasing = bert_json(type="BertNormalizer", lowercase=True, strip_accents=None)
+    lowercasing = bert_spec(type="BertNormalizer", lowercase=True, strip_accents=None)
     assert normalizer_of(plain_ascii_json(lowercasing)) == {"type": "Lowercase"}
-    cased = bert_json(type="BertNormalizer", lowercase=False, strip_accents=False)
+    assert lowercasing == bert_spec(type="BertNormalizer", lowercase=True, strip_accents=None)
+    cased = bert_spec(type="BertNormalizer", lowercase=False, strip_accents=False)
     assert normalizer_of(plain_ascii_json(cased)) is None
     # sentence-transformers' do_lower_case in front of a cased BertNormalizer, and NFD, which
     # leaves ASCII as it is.
@@ -55,32 +54,30 @@ def test_a_bert_normalizer_becomes_its_lowercasing() -> None:
         {"type": "NFD"},
         {"type": "BertNormalizer", "lowercase": False},
     ]
-    in_sequence = bert_json(type="Sequence", normalizers=steps)
+    in_sequence = bert_spec(type="Sequence", normalizers=steps)
     assert normalizer_of(plain_ascii_json(in_sequence)) == {"type": "Lowercase"}
 
 
 @pytest.mark.parametrize(
-    "tokenizer_json",
+    "spec",
     [
         # Nothing to gain: no BertNormalizer.
-        bert_json(type="Lowercase"),
+        bert_spec(type="Lowercase"),
         # A step that may change ASCII text (SentencePiece's character map, a replacement).
-        bert_json(
+        bert_spec(
             type="Sequence",
             normalizers=[{"type": "BertNormalizer", "lowercase": True}, {"type": "Precompiled"}],
         ),
-        bert_json(type="Replace", pattern={"String": "a"}, content="b"),
+        bert_spec(type="Replace", pattern={"String": "a"}, content="b"),
         # A pre-tokenizer that may tell a line break from a space.
-        orjson.dumps(
-            {
-                "normalizer": {"type": "BertNormalizer", "lowercase": True},
-                "pre_tokenizer": {"type": "Metaspace"},
-            }
-        ).decode(),
+        {
+            "normalizer": {"type": "BertNormalizer", "lowercase": True},
+            "pre_tokenizer": {"type": "Metaspace"},
+        },
     ],
 )
-def test_no_twin_where_its_equality_is_not_known(tokenizer_json: str) -> None:
-    assert plain_ascii_json(tokenizer_json) is None
+def test_no_twin_where_its_equality_is_not_known(spec: dict[str, Any]) -> None:
+    assert plain_ascii_json(spec) is None
 
 
 def same(one: Encoding, other: Encoding) -> bool:
@@ -105,7 +102,7 @@ def default_and_twin(minilm: Embedder) -> tuple[Tokenizer, Tokenizer]:
     """all-MiniLM-L6-v2's tokenizer as served (no padding, truncation at 16 for overflow to
     show), and its twin."""
     tokenizer_json = minilm.tokenizer.spec.tokenizer_json
-    twin_json = plain_ascii_json(tokenizer_json)
+    twin_json = plain_ascii_json(orjson.loads(tokenizer_json))
     assert twin_json is not None
     made = []
     for text in (tokenizer_json, twin_json):
@@ -245,9 +242,8 @@ def test_no_twin_where_an_added_token_is_matched_after_normalizing(minilm: Embed
     spec = orjson.loads(minilm.tokenizer.spec.tokenizer_json)
     added = {"id": 30522, "content": "Café", "single_word": False, "lstrip": False}
     spec["added_tokens"].append({**added, "rstrip": False, "normalized": True, "special": False})
-    tokenizer_json = orjson.dumps(spec).decode()
-    assert plain_ascii_json(tokenizer_json) is None
-    twinned = TextTokenizer(tokenizer_json, 256, 30523, plain_ascii_twins=True)
+    assert plain_ascii_json(spec) is None
+    twinned = TextTokenizer(orjson.dumps(spec).decode(), 256, 30523, plain_ascii_twins=True)
     [encoded] = twinned.encode(["cafe"])
     assert encoded.ids[1:-1] == [30522]
 
