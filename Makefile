@@ -76,6 +76,7 @@ bench:
 	$(BIN)/python -m bench.retrieval_quality
 	$(BIN)/python -m bench.encoder
 	$(BIN)/python -m bench.layers
+	$(BIN)/python -m bench.attention
 	$(BIN)/python -m bench.server
 	$(BIN)/python -m bench.batch_wait
 	$(BIN)/python -m bench.placements

@@ -5,9 +5,10 @@ padded *keys* and broadcasts as (B, 1, 1, T) over heads and queries. An architec
 restricts attention further (ModernBERT's sliding window) passes a narrower boolean mask that
 still broadcasts to (B, H, T, T); one that adds a position bias (MPNet) passes it as `bias`.
 
-The context always comes from `scaled_dot_product_attention`, so asking for attention maps
-never changes the hidden states. The maps are computed beside it, from the same scores, for
-the heads asked for only.
+The context comes from `scaled_dot_product_attention`, or on a CPU, for short inputs, from
+every score at once (`SCORES_AT_ONCE_KEYS`); either way asking for attention maps never
+changes the hidden states. The maps are computed beside it, from the same scores, for the
+heads asked for only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+# On a CPU with more than one thread, torch's flash kernel works through each sequence and
+# head on its own, in blocks, and on short inputs that costs more than computing all the
+# scores at once: one batched product, a softmax, one more product. Up to this many keys that
+# took 0.2-0.9x the flash kernel's time on two threads, and was no faster on one
+# (`python -m bench.attention`; docs/benchmarks.md). The scores take B x H x T x T floats.
+SCORES_AT_ONCE_KEYS = 48
 
 
 def key_padding_mask(attention_mask: Tensor) -> Tensor:
@@ -52,11 +60,12 @@ class Mask:
     dtype on first use. Handed the boolean tensor, SDPA would convert it in every layer (two
     `where` calls a layer, a few percent of one sentence's pass on a CPU)."""
 
-    __slots__ = ("_added", "allowed")
+    __slots__ = ("_added", "_every_query_sees_a_key", "allowed")
 
     def __init__(self, allowed: Tensor) -> None:
         self.allowed = allowed
         self._added: dict[torch.dtype, Tensor] = {}
+        self._every_query_sees_a_key: bool | None = None
 
     def __and__(self, narrower: Tensor) -> Mask:
         """This mask further restricted (a sliding window, causality): a mask of its own."""
@@ -69,6 +78,14 @@ class Mask:
             added.masked_fill_(~self.allowed, float("-inf"))
             self._added[dtype] = added
         return added
+
+    @property
+    def every_query_sees_a_key(self) -> bool:
+        """No row of the scores is masked whole (an input with no tokens; a sliding window
+        over padding only), where a softmax of the scores alone would give NaN."""
+        if self._every_query_sees_a_key is None:
+            self._every_query_sees_a_key = bool(self.allowed.any(-1).all())
+        return self._every_query_sees_a_key
 
 
 def attend(
@@ -93,7 +110,10 @@ def attend(
         added = mask.added(q.dtype)
     else:
         added = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
-    context = F.scaled_dot_product_attention(q, k, v, attn_mask=added, scale=scale)
+    if _scores_at_once(q, k, v, mask):
+        context = context_of_all_scores(q, k, v, added, scale)
+    else:
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=added, scale=scale)
     if map_heads is None:
         return context, None
     heads = list(map_heads)
@@ -107,3 +127,32 @@ def attend(
     # with no allowed key all zeros instead of a uniform distribution.
     probs = F.softmax(scores, dim=-1) * heads_allowed
     return context, probs
+
+
+def _scores_at_once(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> bool:
+    """Where every score at once is the faster way to the context (`SCORES_AT_ONCE_KEYS`):
+    float32 on a CPU's threads, short inputs, and no query whose keys are all masked."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and q.shape[-2] == k.shape[-2] <= SCORES_AT_ONCE_KEYS
+        and torch.get_num_threads() > 1
+        and mask.every_query_sees_a_key
+    )
+
+
+def context_of_all_scores(
+    q: Tensor, k: Tensor, v: Tensor, added: Tensor, scale: float | None
+) -> Tensor:
+    """(B, H, T, hd) context: softmax(q k^T x scale + added) v, as three batched steps."""
+    batch, heads, width, depth = q.shape
+    factor = scale if scale is not None else 1 / math.sqrt(depth)
+    rows = batch * heads
+    scores = torch.baddbmm(
+        added.expand(batch, heads, width, width).reshape(rows, width, width),
+        q.reshape(rows, width, depth),
+        k.reshape(rows, width, depth).transpose(1, 2),
+        alpha=factor,
+    )
+    context = torch.bmm(scores.softmax(-1), v.reshape(rows, width, v.shape[-1]))
+    return context.view(batch, heads, width, v.shape[-1])

@@ -1,0 +1,109 @@
+"""Attention on a CPU: torch's flash kernel against every score at once (model/attention.py).
+
+1. The kernels alone, on (B, 12, T, 32) queries, keys and values as the default model's
+   layers make them (views of the packed tokens), with a padding mask: on each thread count,
+   the time of every score at once over the flash kernel's, for batches of B inputs T tokens
+   long (below 1: the scores at once are faster). What sets SCORES_AT_ONCE_KEYS.
+2. The default model, on `--threads`, in each dtype: batches of 32 short sentences, one
+   sentence, and 8 long passages (past the limit: both take the flash kernel, a check on the
+   drift), with the limit as it is and at 0 (the flash kernel always), alternating in one
+   process; each one's median ms per call and the ratio of the medians.
+Usage: python -m bench.attention [--threads 2] [--dtypes float32 int8] [--rounds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from bench.side_by_side import turns
+from bench.workload import long_passages, short_sentences
+from model import DEFAULT_MODEL_ID, Embedder, attention
+from model.attention import Mask, context_of_all_scores, key_padding_mask
+
+BATCHES = (1, 4, 16, 32, 64)
+WIDTHS = (8, 16, 32, 48, 64, 96)
+HEADS, DEPTH = 12, 32
+
+
+def median_us(call: Callable[[], object], calls: int) -> float:
+    """The median over seven blocks of `calls` calls, µs per call."""
+    call()
+    blocks = []
+    for _ in range(7):
+        started = time.perf_counter()
+        for _ in range(calls):
+            call()
+        blocks.append((time.perf_counter() - started) / calls * 1e6)
+    return statistics.median(blocks)
+
+
+def kernel_ratio(batch: int, width: int) -> float:
+    """Every score at once over the flash kernel, on one padded batch."""
+    numbers = torch.Generator().manual_seed(batch * 1000 + width)
+    q, k, v = (
+        torch.randn(batch, width, HEADS, DEPTH, generator=numbers).transpose(1, 2) for _ in range(3)
+    )
+    lengths = torch.randint(max(1, width // 2), width + 1, (batch,), generator=numbers)
+    lengths[0] = width
+    added = Mask(key_padding_mask((torch.arange(width) < lengths[:, None]).long())).added(q.dtype)
+    calls = max(3, 3000 // (batch * (width * width // 64 + 4)))
+    with torch.inference_mode():
+        flash = median_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=added), calls)
+        at_once = median_us(lambda: context_of_all_scores(q, k, v, added, None), calls)
+    return at_once / flash
+
+
+def kernels(threads: int) -> None:
+    torch.set_num_threads(threads)
+    print(f"\nevery score at once / the flash kernel, {threads} thread(s); rows B, columns T")
+    print("      " + "".join(f"{width:>7d}" for width in WIDTHS))
+    for batch in BATCHES:
+        ratios = "".join(f"{kernel_ratio(batch, width):7.2f}" for width in WIDTHS)
+        print(f"B {batch:3d}{ratios}", flush=True)
+
+
+def encoder(dtype: str, threads: int, rounds: int) -> None:
+    torch.set_num_threads(threads)
+    embedder = Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype=dtype)
+    loads = {
+        "32 short": (short_sentences(32, seed=1), 5),
+        "1 short": (short_sentences(1, seed=2), 30),
+        "8 long": (long_passages(8, seed=3), 2),
+    }
+    limits = {"as it is": attention.SCORES_AT_ONCE_KEYS, "flash always": 0}
+    print(f"\nthe default model, {dtype}, {threads} thread(s): median ms per call")
+    for load, (texts, calls) in loads.items():
+        times: dict[str, list[float]] = {name: [] for name in limits}
+        call = functools.partial(embedder.embed, texts)
+        for index in range(rounds):
+            for name in turns(list(limits), index):
+                with mock.patch.object(attention, "SCORES_AT_ONCE_KEYS", limits[name]):
+                    times[name].append(median_us(call, calls) / 1000)
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        figures = ", ".join(f"{name} {ms:.2f}" for name, ms in medians.items())
+        ratio = medians["as it is"] / medians["flash always"]
+        print(f"{load:>9}: {figures}; as it is / flash always {ratio:.2f}x", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "int8"])
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    for threads in sorted({1, args.threads}):
+        kernels(threads)
+    for dtype in args.dtypes:
+        encoder(dtype, args.threads, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
