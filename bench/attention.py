@@ -1,13 +1,15 @@
 """Attention on a CPU: torch's flash kernel against every score at once (model/attention.py).
 
 1. The kernels alone, on (B, 12, T, 32) queries, keys and values as the default model's
-   layers make them (views of the packed tokens), with a padding mask: on each thread count,
-   the time of every score at once over the flash kernel's, for batches of B inputs T tokens
-   long (below 1: the scores at once are faster). What sets SCORES_AT_ONCE_KEYS.
+   layers make them (views of one (B, T, 3 x 12 x 32) projection), with a padding mask, the
+   heads merged back into (B, T, 12 x 32) after: on each thread count, the time of every
+   score at once over the flash kernel's, for batches of B inputs T tokens long (below 1:
+   the scores at once are faster). What sets SCORES_AT_ONCE_KEYS.
 2. The default model, on `--threads`, in each dtype: batches of 32 short sentences, one
    sentence, and 8 long passages (past the limit: both take the flash kernel, a check on the
    drift), with the limit as it is and at 0 (the flash kernel always), alternating in one
-   process; each one's median ms per call and the ratio of the medians.
+   process; each one's median ms per call and the ratio of the medians. (On one thread both
+   take the flash kernel: the ratio is then the drift alone.)
 Usage: python -m bench.attention [--threads 2] [--dtypes float32 int8] [--rounds 6]
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +25,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from bench.side_by_side import turns
 from bench.workload import long_passages, short_sentences
@@ -48,17 +52,28 @@ def median_us(call: Callable[[], object], calls: int) -> float:
 def kernel_ratio(batch: int, width: int) -> float:
     """Every score at once over the flash kernel, on one padded batch."""
     numbers = torch.Generator().manual_seed(batch * 1000 + width)
-    q, k, v = (
-        torch.randn(batch, width, HEADS, DEPTH, generator=numbers).transpose(1, 2) for _ in range(3)
-    )
+    projected = torch.randn(batch, width, 3 * HEADS, DEPTH, generator=numbers)
+    q, k, v = projected.transpose(1, 2).chunk(3, dim=1)
     lengths = torch.randint(max(1, width // 2), width + 1, (batch,), generator=numbers)
     lengths[0] = width
     added = Mask(key_padding_mask((torch.arange(width) < lengths[:, None]).long())).added(q.dtype)
     calls = max(3, 3000 // (batch * (width * width // 64 + 4)))
+    scale = 1 / math.sqrt(DEPTH)
+
+    def flash() -> Tensor:
+        return merged(F.scaled_dot_product_attention(q, k, v, attn_mask=added, scale=scale))
+
+    def at_once() -> Tensor:
+        return merged(context_of_all_scores(q, k, v, added, scale))
+
     with torch.inference_mode():
-        flash = median_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=added), calls)
-        at_once = median_us(lambda: context_of_all_scores(q, k, v, added, None), calls)
-    return at_once / flash
+        return median_us(at_once, calls) / median_us(flash, calls)
+
+
+def merged(context: Tensor) -> Tensor:
+    """(B, H, T, hd) -> (B, T, H x hd), as the layers go on with the context (the flash
+    kernel's output is laid out so already; the scores at once' is copied)."""
+    return context.transpose(1, 2).reshape(context.shape[0], context.shape[2], -1)
 
 
 def kernels(threads: int) -> None:

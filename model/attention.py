@@ -5,9 +5,10 @@ padded *keys* and broadcasts as (B, 1, 1, T) over heads and queries. An architec
 restricts attention further (ModernBERT's sliding window) passes a narrower boolean mask that
 still broadcasts to (B, H, T, T); one that adds a position bias (MPNet) passes it as `bias`.
 
-The context comes from `scaled_dot_product_attention`, or on a CPU, for short inputs, from
-every score at once (`SCORES_AT_ONCE_KEYS`); either way asking for attention maps never
-changes the hidden states. The maps are computed beside it, from the same scores, for the
+The context comes from `scaled_dot_product_attention`, or, on a CPU running more than one
+thread, for short float32 inputs with no query masked whole, from every score at once
+(`SCORES_AT_ONCE_KEYS`); either way asking for attention maps never changes the hidden
+states. The maps are computed beside it, from the same scores, for the
 heads asked for only.
 """
 
@@ -24,7 +25,7 @@ from torch import Tensor
 # On a CPU with more than one thread, torch's flash kernel works through each sequence and
 # head on its own, in blocks, and on short inputs that costs more than computing all the
 # scores at once: one batched product, a softmax, one more product. Up to this many keys that
-# took 0.2-0.9x the flash kernel's time on two threads, and was no faster on one
+# took 0.2-1.0x the flash kernel's time on two threads, and was mostly slower on one
 # (`python -m bench.attention`; docs/benchmarks.md). The scores take B x H x T x T floats.
 SCORES_AT_ONCE_KEYS = 48
 
@@ -106,18 +107,18 @@ def attend(
     zeros (never NaN), as the context of such a row is.
     """
     allowed = mask.allowed
+    factor = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
     if bias is None:
         added = mask.added(q.dtype)
     else:
         added = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
-    if _scores_at_once(q, k, v, mask):
-        context = context_of_all_scores(q, k, v, added, scale)
+    if _scores_at_once(q, k, mask):
+        context = context_of_all_scores(q, k, v, added, factor)
     else:
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=added, scale=scale)
     if map_heads is None:
         return context, None
     heads = list(map_heads)
-    factor = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
     scores = (q[:, heads] @ k[:, heads].transpose(-2, -1)).float() * factor  # (B, h, T, T)
     if bias is not None:
         scores = scores + (bias[:, heads] if bias.shape[1] > 1 else bias).float()
@@ -129,9 +130,10 @@ def attend(
     return context, probs
 
 
-def _scores_at_once(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> bool:
+def _scores_at_once(q: Tensor, k: Tensor, mask: Mask) -> bool:
     """Where every score at once is the faster way to the context (`SCORES_AT_ONCE_KEYS`):
-    float32 on a CPU's threads, short inputs, and no query whose keys are all masked."""
+    float32 on a CPU's threads, short inputs, and no query whose keys are all masked. Only
+    the mask is asked: a position bias (MPNet's, ALiBi's) is finite everywhere."""
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
@@ -141,18 +143,15 @@ def _scores_at_once(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> bool:
     )
 
 
-def context_of_all_scores(
-    q: Tensor, k: Tensor, v: Tensor, added: Tensor, scale: float | None
-) -> Tensor:
+def context_of_all_scores(q: Tensor, k: Tensor, v: Tensor, added: Tensor, scale: float) -> Tensor:
     """(B, H, T, hd) context: softmax(q k^T x scale + added) v, as three batched steps."""
     batch, heads, width, depth = q.shape
-    factor = scale if scale is not None else 1 / math.sqrt(depth)
     rows = batch * heads
     scores = torch.baddbmm(
         added.expand(batch, heads, width, width).reshape(rows, width, width),
         q.reshape(rows, width, depth),
         k.reshape(rows, width, depth).transpose(1, 2),
-        alpha=factor,
+        alpha=scale,
     )
     context = torch.bmm(scores.softmax(-1), v.reshape(rows, width, v.shape[-1]))
     return context.view(batch, heads, width, v.shape[-1])

@@ -2,36 +2,53 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+from unittest import mock
 
 import pytest
 import torch
 from torch.profiler import profile
 
-from model import Embedder
+from model import Embedder, attention
 from model.attention import SCORES_AT_ONCE_KEYS, Mask, attend, key_padding_mask, sliding_window
+
+T = TypeVar("T")
+# The two ways to a context.
+FLASH, AT_ONCE = "aten::scaled_dot_product_attention", "aten::baddbmm"
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch on `count` threads, as it was after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture
 def two_threads() -> Iterator[None]:
-    """torch on two threads, where short inputs take the scores at once; as it was after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    """Where short inputs take every score at once."""
+    with torch_threads(2):
+        yield
 
 
-def ops_of(call: object) -> dict[str, int]:
-    """The aten ops a call ran, and how many times each."""
-    assert callable(call)
-    with profile() as profiled:
-        call()
-    return {event.key: event.count for event in profiled.key_averages()}
+def profiled(call: Callable[[], T]) -> tuple[T, dict[str, int]]:
+    """What a call returned, and the aten ops it ran with how many times each."""
+    with profile() as run:
+        result = call()
+    return result, {event.key: event.count for event in run.key_averages()}
 
 
 def qkv(
     batch: int, heads: int, width: int, dtype: torch.dtype = torch.float32
 ) -> list[torch.Tensor]:
+    """Random queries, keys and values, (batch, heads, width, 16) each."""
     numbers = torch.Generator().manual_seed(0)
     return [torch.randn(batch, heads, width, 16, generator=numbers, dtype=dtype) for _ in range(3)]
 
@@ -53,34 +70,51 @@ def test_a_pass_converts_its_padding_mask_once_not_in_every_layer(
     each)."""
     batch = tiny_embedder.tokenize(["hello world fox", "hello"])
     assert tiny_embedder.info.num_layers > 1
-    with profile() as profiled:
-        tiny_embedder.forward(batch)
-    calls = {event.key: event.count for event in profiled.key_averages()}
+    _, calls = profiled(lambda: tiny_embedder.forward(batch))
     assert calls.get("aten::where", 0) == 0
-    ways = ("aten::scaled_dot_product_attention", "aten::baddbmm")  # the two ways to a context
-    assert sum(calls.get(way, 0) for way in ways) == tiny_embedder.info.num_layers
+    assert calls.get(FLASH, 0) + calls.get(AT_ONCE, 0) == tiny_embedder.info.num_layers
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_model_on_two_threads_gives_the_same_vectors_either_way(
+    tiny_embedder: Embedder,
+) -> None:
+    """Through the layers as they make queries, keys and values (views of the packed tokens)
+    and merge the heads back."""
+    batch = tiny_embedder.tokenize(["hello world fox jumps over", "hello", "fox"])
+    at_once = tiny_embedder.forward(batch, token_embeddings=True)
+    _, calls = profiled(lambda: tiny_embedder.forward(batch))
+    assert calls.get(AT_ONCE) == tiny_embedder.info.num_layers
+    with mock.patch.object(attention, "SCORES_AT_ONCE_KEYS", 0):
+        flash = tiny_embedder.forward(batch, token_embeddings=True)
+    assert (at_once.pooled - flash.pooled).abs().max() < 1e-5
+    assert at_once.token_embeddings is not None and flash.token_embeddings is not None
+    for ours, theirs in zip(at_once.token_embeddings, flash.token_embeddings, strict=True):
+        assert (ours - theirs).abs().max() < 1e-5
 
 
 @pytest.mark.usefixtures("two_threads")
 @pytest.mark.parametrize("width", [1, 7, SCORES_AT_ONCE_KEYS])
 def test_short_inputs_on_a_cpu_take_every_score_at_once_and_agree_with_sdpa(width: int) -> None:
-    """Padding, a sliding window, a position bias and a scale: the context and the maps the
-    same as the flash kernel's to float32's rounding."""
+    """Padding, causality, a sliding window, a position bias and a scale: the context and the
+    maps the same as the flash kernel's to float32's rounding."""
     q, k, v = qkv(3, 4, width)
     lengths = torch.tensor([width, max(1, width // 2), 1])
     padding = Mask(key_padding_mask((torch.arange(width) < lengths[:, None]).long()))
-    window = padding & sliding_window(width, 100, q.device)  # wide enough to leave keys
+    # Each query up to itself: every one, padded or not, still sees the first token.
+    causal = padding & torch.ones(width, width, dtype=torch.bool).tril()
+    window = Mask(torch.ones(3, 1, 1, width, dtype=torch.bool)) & sliding_window(width, 2, q.device)
     bias = torch.randn(1, 4, width, width)
     cases: list[tuple[Mask, torch.Tensor | None, float | None]] = [
         (padding, None, None),
+        (causal, None, None),
         (window, None, None),
         (padding, bias, 0.3),
     ]
     for mask, position_bias, scale in cases:
-        with profile() as profiled:
-            context, maps = attend(q, k, v, mask, bias=position_bias, scale=scale, map_heads=(1, 2))
-        calls = {event.key: event.count for event in profiled.key_averages()}
-        assert calls.get("aten::baddbmm") == 1 and "aten::scaled_dot_product_attention" not in calls
+        call = functools.partial(attend, q, k, v, mask, bias=position_bias, scale=scale)
+        (context, maps), calls = profiled(functools.partial(call, map_heads=(1, 2)))
+        assert calls.get(AT_ONCE) == 1 and FLASH not in calls
         added = mask.added(q.dtype)
         if position_bias is not None:
             added = position_bias.masked_fill(~mask.allowed, float("-inf"))
@@ -93,32 +127,32 @@ def test_short_inputs_on_a_cpu_take_every_score_at_once_and_agree_with_sdpa(widt
 
 @pytest.mark.usefixtures("two_threads")
 def test_the_flash_kernel_keeps_what_every_score_at_once_does_not_win_or_cannot_do() -> None:
-    """Long inputs, bfloat16, and a query with no key to attend to (all zeros from the flash
-    kernel, where a softmax of the scores alone gives NaN)."""
+    """Long inputs, bfloat16, and queries with no key to attend to: an input without tokens,
+    a sliding window over padding only (all zeros from the flash kernel, where a softmax of
+    the scores alone gives NaN)."""
     long_q, long_k, long_v = qkv(2, 2, SCORES_AT_ONCE_KEYS + 1)
     every = Mask(torch.ones(2, 1, 1, SCORES_AT_ONCE_KEYS + 1, dtype=torch.bool))
     half_q, half_k, half_v = qkv(2, 2, 8, torch.bfloat16)
     half_every = Mask(torch.ones(2, 1, 1, 8, dtype=torch.bool))
     q, k, v = qkv(2, 4, 8)
     empty = Mask(key_padding_mask(torch.tensor([[1] * 8, [0] * 8])))
-    assert not empty.every_query_sees_a_key
+    one_token = Mask(key_padding_mask(torch.tensor([[1] * 8, [1] + [0] * 7])))
+    window = one_token & sliding_window(8, 2, q.device)
+    assert not empty.every_query_sees_a_key and not window.every_query_sees_a_key
     for call in (
         lambda: attend(long_q, long_k, long_v, every),
         lambda: attend(half_q, half_k, half_v, half_every),
         lambda: attend(q, k, v, empty),
+        lambda: attend(q, k, v, window),
     ):
-        calls = ops_of(call)
-        assert "aten::baddbmm" not in calls and calls["aten::scaled_dot_product_attention"] == 1
+        _, calls = profiled(call)
+        assert AT_ONCE not in calls and calls[FLASH] == 1
     context, _ = attend(q, k, v, empty)
     assert context[1].eq(0).all() and context[0].isfinite().all()
 
 
 def test_one_thread_keeps_the_flash_kernel() -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        q, k, v = qkv(4, 4, 8)
-        calls = ops_of(lambda: attend(q, k, v, Mask(torch.ones(4, 1, 1, 8, dtype=torch.bool))))
-    finally:
-        torch.set_num_threads(before)
-    assert "aten::baddbmm" not in calls and calls["aten::scaled_dot_product_attention"] == 1
+    q, k, v = qkv(4, 4, 8)
+    with torch_threads(1):
+        _, calls = profiled(lambda: attend(q, k, v, Mask(torch.ones(4, 1, 1, 8, dtype=torch.bool))))
+    assert AT_ONCE not in calls and calls[FLASH] == 1
