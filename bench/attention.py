@@ -19,14 +19,13 @@ import argparse
 import functools
 import math
 import statistics
-import time
-from collections.abc import Callable
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bench.products import median_ms
 from bench.side_by_side import turns
 from bench.workload import long_passages, short_sentences
 from model import DEFAULT_MODEL_ID, Embedder, attention
@@ -35,18 +34,6 @@ from model.attention import Mask, context_of_all_scores, key_padding_mask
 BATCHES = (1, 4, 16, 32, 64)
 WIDTHS = (8, 16, 32, 48, 64, 96)
 HEADS, DEPTH = 12, 32
-
-
-def median_us(call: Callable[[], object], calls: int) -> float:
-    """The median over seven blocks of `calls` calls, µs per call."""
-    call()
-    blocks = []
-    for _ in range(7):
-        started = time.perf_counter()
-        for _ in range(calls):
-            call()
-        blocks.append((time.perf_counter() - started) / calls * 1e6)
-    return statistics.median(blocks)
 
 
 def kernel_ratio(batch: int, width: int) -> float:
@@ -67,7 +54,7 @@ def kernel_ratio(batch: int, width: int) -> float:
         return merged(context_of_all_scores(q, k, v, added, scale))
 
     with torch.inference_mode():
-        return median_us(at_once, calls) / median_us(flash, calls)
+        return median_ms(at_once, calls) / median_ms(flash, calls)
 
 
 def merged(context: Tensor) -> Tensor:
@@ -101,7 +88,7 @@ def encoder(dtype: str, threads: int, rounds: int) -> None:
         for index in range(rounds):
             for name in turns(list(limits), index):
                 with mock.patch.object(attention, "SCORES_AT_ONCE_KEYS", limits[name]):
-                    times[name].append(median_us(call, calls) / 1000)
+                    times[name].append(median_ms(call, calls))
         medians = {name: statistics.median(values) for name, values in times.items()}
         figures = ", ".join(f"{name} {ms:.2f}" for name, ms in medians.items())
         ratio = medians["as it is"] / medians["flash always"]

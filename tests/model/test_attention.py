@@ -82,11 +82,12 @@ def test_a_model_on_two_threads_gives_the_same_vectors_either_way(
     """Through the layers as they make queries, keys and values (views of the packed tokens)
     and merge the heads back."""
     batch = tiny_embedder.tokenize(["hello world fox jumps over", "hello", "fox"])
-    at_once = tiny_embedder.forward(batch, token_embeddings=True)
-    _, calls = profiled(lambda: tiny_embedder.forward(batch))
-    assert calls.get(AT_ONCE) == tiny_embedder.info.num_layers
+    layers = tiny_embedder.info.num_layers
+    at_once, calls = profiled(lambda: tiny_embedder.forward(batch, token_embeddings=True))
+    assert calls.get(AT_ONCE) == layers and FLASH not in calls
     with mock.patch.object(attention, "SCORES_AT_ONCE_KEYS", 0):
-        flash = tiny_embedder.forward(batch, token_embeddings=True)
+        flash, calls = profiled(lambda: tiny_embedder.forward(batch, token_embeddings=True))
+    assert calls.get(FLASH) == layers and AT_ONCE not in calls
     assert (at_once.pooled - flash.pooled).abs().max() < 1e-5
     assert at_once.token_embeddings is not None and flash.token_embeddings is not None
     for ours, theirs in zip(at_once.token_embeddings, flash.token_embeddings, strict=True):
