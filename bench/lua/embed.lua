@@ -22,13 +22,27 @@ function request()
   return wrk.format("POST", path, headers, bodies[next_body])
 end
 
+-- How often `needle` occurs in `text` up to position `stop` (the end if nil). Plain finds,
+-- not a pattern's gsub: that copies the body and tries the pattern at every byte, about 2.6 ms
+-- for 32 vectors of 384, long enough to make wrk the bottleneck of its own connections.
+local function occurrences(text, needle, stop)
+  local count, at = 0, 1
+  while true do
+    local found = text:find(needle, at, true)
+    if found == nil or (stop ~= nil and found > stop) then
+      return count
+    end
+    count, at = count + 1, found + #needle
+  end
+end
+
 local function wrong(body)
-  local count = select(2, body:gsub("%],%[", "")) + 1
-  local first = body:match("^%[%[([^%]]*)%]")
-  if count ~= vectors or first == nil then
+  local first_end = body:find("]", 3, true)
+  if body:sub(1, 2) ~= "[[" or body:sub(-2) ~= "]]" or first_end == nil then
     return true
   end
-  return select(2, first:gsub(",", "")) + 1 ~= dimension
+  return occurrences(body, "],[") + 1 ~= vectors
+    or occurrences(body, ",", first_end) + 1 ~= dimension
 end
 
 function response(status, _, body)

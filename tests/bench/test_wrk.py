@@ -1,10 +1,62 @@
-"""The load generator's helpers: wrk's cores, the batch sums read from /metrics, and the
-side-by-side comparison's order and summary."""
+"""The load generator: wrk's check of every answer, its cores, the batch sums read from
+/metrics, and the side-by-side comparison's order and summary."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
 from bench.side_by_side import WORKING_TREE, summary, turns
-from bench.wrk import Batches, core_list
+from bench.wrk import Batches, core_list, run_wrk
+
+# What the stand-in server answers on each path: two vectors of three, or a wrong shape.
+ANSWERS = {
+    "/two-of-three": b"[[0.1,-0.2,3e-05],[0.4,0.5,0.6]]",
+    "/one-of-three": b"[[0.1,0.2,0.3]]",
+    "/two-of-two": b"[[0.1,0.2],[0.4,0.5]]",
+    "/cut-short": b"[[0.1,0.2,0.3],[0.4,0.5",
+}
+
+
+class Answering(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as wrk expects
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = ANSWERS.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def stand_in() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answering)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("path", "bad"),
+    [("/two-of-three", False), ("/one-of-three", True), ("/two-of-two", True),
+     ("/cut-short", True), ("/missing", True)],
+)  # fmt: skip
+def test_wrk_counts_every_answer_of_the_wrong_shape(stand_in: str, path: str, bad: bool) -> None:
+    result = run_wrk(
+        stand_in, ['{"inputs": ["a", "b"]}'], connections=1, seconds=1, vectors=2,
+        dimension=3, path=path,
+    )  # fmt: skip
+    assert result.requests > 0
+    assert (result.bad == result.requests) if bad else (result.bad == 0), result
 
 
 def test_core_list_reads_taskset_lists() -> None:
