@@ -1,18 +1,20 @@
 """The real server against the in-process ceiling of this project's own encoder, per dtype.
 
-In one run, one process at a time, for each dtype:
-1. The ceiling, in a child process: the encoder on the same texts, tokenization included,
-   sorted by length, in batches of 32, for short sentences and long passages; and the p50 of
-   one single-sentence call (tokenize, forward, pool).
-2. The real server (`python -m app`, loopback) under wrk on --client-cores: 1 x 1, 32 x 1,
+In one run, for each dtype and round:
+1. The ceiling, in a child process kept for the round: the encoder on the same texts,
+   tokenization included, sorted by length, in batches of 32, for short sentences and long
+   passages; and the p50 of single-sentence calls (tokenize, forward, pool).
+2. A fresh real server (`python -m app`, loopback) under wrk on --client-cores: 1 x 1, 32 x 1,
    4 x 32 and 256 x 1 short sentences, and 32 x 1 long passages (clients x inputs per request),
-   every response checked (status, vector count, dimension).
-Rounds alternate the two, each with a fresh server, and each figure keeps its best round:
-this machine's speed drifts by tens of percent from one minute to the next. Each server
-figure comes with its ratio to the ceiling, the server's peak RSS, where its CPU went (per
-text, by role: the front ends' event loops and other threads, the engines), its batches
-(size, padding) and the share of the time its forward passes ran, which tell why a figure
-falls short of the ceiling; all is printed and written to bench/results/server.json.
+   every response checked (status, vector count, dimension). Just before and just after each
+   load, while the server is idle, the ceiling process measures that load's figure again on a
+   quarter of its texts, and the load's ratio is to the mean of the two: this machine's speed
+   drifts by tens of percent from one minute to the next, more than the server loses.
+Each load keeps the round whose ratio is best. Each figure comes with the ceiling around it,
+the server's peak RSS, where its CPU went (per text, by role: the front ends' event loops and
+other threads, the engines), its batches (size, padding) and the share of the time its
+forward passes ran, which tell why a figure falls short of the ceiling; all is printed and
+written to bench/results/server.json.
 Usage: python -m bench.server [--dtypes float32 bfloat16 int8] [--seconds 10] [--rounds 2]
                               [--device cpu|cuda] [--model-id ID] [--client-cores 0-3]
                               [-- SERVER FLAGS]
@@ -38,6 +40,9 @@ from model import DEFAULT_MODEL_ID
 RESULTS = Path(__file__).resolve().parent / "results" / "server.json"
 BATCH = 32
 DIMENSION = 384  # the default model's
+# The figures that bracket each load run on every fourth of the ceiling's texts: a few seconds
+# on a CPU, within the same minute as the load.
+BRACKET_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,12 @@ class Load:
     clients: int
     inputs: int  # per request
     long: bool
-    ceiling: str  # the ceiling figure it is compared with
+    ceiling: str  # the ceiling figure it is compared with: "short", "long" or "single"
+
+    @property
+    def figure(self) -> str:
+        """The name of that figure in the ceiling's answers."""
+        return "single_p50_ms" if self.ceiling == "single" else self.ceiling
 
 
 LOADS = (
@@ -59,8 +69,11 @@ LOADS = (
 )
 
 
-def ceiling(dtype: str, args: argparse.Namespace) -> dict[str, float]:
-    """Run in a child process: texts/s for short and long, single-call p50, peak RSS."""
+def reference(dtype: str, args: argparse.Namespace) -> None:
+    """Run in a child process, kept for a round: the encoder loaded once, then one JSON line
+    of figures for each command read from stdin. "full": texts/s for short and long, the
+    single-call p50 and the peak RSS; "short", "long" or "single": that figure alone, on every
+    `BRACKET_SHARE`-th text (asked just before and just after each load)."""
     import torch
 
     from model import Embedder
@@ -70,9 +83,11 @@ def ceiling(dtype: str, args: argparse.Namespace) -> dict[str, float]:
         args.model_id or DEFAULT_MODEL_ID, device=args.device, dtype=dtype, prepack=args.prepack
     )
     embedder.capture_graphs()  # as the server does at start-up (none on the CPU)
-    figures: dict[str, float] = {}
-    for name, texts in (("short", short_sentences(2048)), ("long", long_passages(256))):
-        ordered = sorted(texts, key=len)
+    texts = {"short": short_sentences(2048), "long": long_passages(256)}
+    singles = short_sentences(300, seed=2)
+
+    def rate(name: str, share: int) -> float:
+        ordered = sorted(texts[name], key=len)[::share]
         batches = [ordered[start : start + BATCH] for start in range(0, len(ordered), BATCH)]
         # Two passes, the second timed: on a GPU each new eager shape pays for choosing its
         # kernels once, several times the cost of a pass with its kernels chosen.
@@ -80,36 +95,65 @@ def ceiling(dtype: str, args: argparse.Namespace) -> dict[str, float]:
             started = time.perf_counter()
             for batch in batches:
                 embedder.embed(batch)
-        figures[name] = len(ordered) / (time.perf_counter() - started)
-    singles = []
-    for sentence in short_sentences(300, seed=2):
-        started = time.perf_counter()
-        embedder.embed([sentence])
-        singles.append(time.perf_counter() - started)
-    figures["single_p50_ms"] = statistics.median(singles[50:]) * 1000
-    status = Path("/proc/self/status").read_text()
-    kib = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))
-    figures["peak_rss_mib"] = int(kib) / 1024
-    return figures
+        return len(ordered) / (time.perf_counter() - started)
+
+    def single_p50_ms(share: int) -> float:
+        calls = singles[::share]
+        times = []
+        for sentence in calls:
+            started = time.perf_counter()
+            embedder.embed([sentence])
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[len(calls) // 6 :]) * 1000  # the first sixth warms up
+
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "full":
+            status = Path("/proc/self/status").read_text()
+            kib = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))
+            figures = {
+                "short": rate("short", 1),
+                "long": rate("long", 1),
+                "single_p50_ms": single_p50_ms(1),
+                "peak_rss_mib": int(kib) / 1024,
+            }
+        elif command == "single":
+            figures = {"single_p50_ms": single_p50_ms(BRACKET_SHARE)}
+        else:
+            figures = {command: rate(command, BRACKET_SHARE)}
+        print(json.dumps(figures), flush=True)
 
 
-def measure_ceiling(dtype: str, args: argparse.Namespace) -> dict[str, float]:
-    command = [
-        sys.executable,
-        "-m",
-        "bench.server",
-        "--ceiling-of",
-        dtype,
-        "--threads",
-        str(args.threads),
-        "--device",
-        args.device,
-        *(["--model-id", args.model_id] if args.model_id else []),
-        *([] if args.prepack else ["--no-prepack"]),
-    ]
-    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    figures: dict[str, float] = json.loads(output.strip().splitlines()[-1])
-    return figures
+class Reference:
+    """The ceiling's child process (`reference`) for one round: idle on its stdin while the
+    server is measured, and measured itself only while the server is idle."""
+
+    def __init__(self, dtype: str, args: argparse.Namespace) -> None:
+        command = [
+            sys.executable, "-m", "bench.server", "--reference-of", dtype,
+            "--threads", str(args.threads), "--device", args.device,
+            *(["--model-id", args.model_id] if args.model_id else []),
+            *([] if args.prepack else ["--no-prepack"]),
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def ask(self, command: str) -> dict[str, float]:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise SystemExit(f"the ceiling's process exited ({self.process.wait()})")
+        figures: dict[str, float] = json.loads(line)
+        return figures
+
+    def __enter__(self) -> Reference:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.communicate(timeout=60)  # its stdin closed: it exits
 
 
 def bodies(load: Load) -> list[str]:
@@ -166,9 +210,26 @@ def run_load(
     )
 
 
+@dataclass(frozen=True)
+class Bracketed:
+    """A load's run, and the ceiling's same figure just before and just after it."""
+
+    run: LoadRun
+    before: float
+    after: float
+
+    def ratio(self, load: Load) -> float:
+        """The server's figure over the ceiling's around it: texts/s over texts/s, or for
+        a single sentence, p50 over p50."""
+        reference = (self.before + self.after) / 2
+        if load.ceiling == "single":
+            return self.run.wrk.p50_ms / reference
+        return self.run.wrk.rate * load.inputs / reference
+
+
 def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
     ceilings = []
-    results: dict[str, list[LoadRun]] = {load.name: [] for load in LOADS}
+    results: dict[str, list[Bracketed]] = {load.name: [] for load in LOADS}
     rss: dict[str, float] = {}
     flags = ["--dtype", dtype, *(["--model-id", args.model_id] if args.model_id else [])]
     if engines_in(args.server) == 1:
@@ -178,22 +239,26 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
     flags += args.server + ([] if args.prepack else ["--no-prepack"])
     info: dict[str, object] = {}
     for _ in range(args.rounds):
-        # The ceiling runs alone; then a fresh server: one process's speed is a draw of its
-        # own (one process's 1 x 1 p50 differs from the next's by more than most changes).
-        ceilings.append(measure_ceiling(dtype, args))
-        server = Server(flags)
-        try:
-            server.wait_ready()
-            info = server.info()
-            dimension = int(str(info["dimensions"]))
-            for load in LOADS:  # warm-up: the first seconds of a fresh server are slower
-                run_load(server, load, 2, args.client_cores, dimension)
-            for load in LOADS:
-                run = run_load(server, load, args.seconds, args.client_cores, dimension)
-                results[load.name].append(run)
-                rss[load.name] = max(rss.get(load.name, 0.0), server.peak_rss_mib())
-        finally:
-            server.stop()
+        # A fresh server each round: one process's speed is a draw of its own (one process's
+        # 1 x 1 p50 differs from the next's by more than most changes). The ceiling runs
+        # alone first, then again around each load, while the server is idle.
+        with Reference(dtype, args) as reference:
+            ceilings.append(reference.ask("full"))
+            server = Server(flags)
+            try:
+                server.wait_ready()
+                info = server.info()
+                dimension = int(str(info["dimensions"]))
+                for load in LOADS:  # warm-up: the first seconds of a fresh server are slower
+                    run_load(server, load, 2, args.client_cores, dimension)
+                for load in LOADS:
+                    before = reference.ask(load.ceiling)[load.figure]
+                    run = run_load(server, load, args.seconds, args.client_cores, dimension)
+                    after = reference.ask(load.ceiling)[load.figure]
+                    results[load.name].append(Bracketed(run, before, after))
+                    rss[load.name] = max(rss.get(load.name, 0.0), server.peak_rss_mib())
+            finally:
+                server.stop()
     best_ceiling = {key: max(c[key] for c in ceilings) for key in ("short", "long")}
     best_ceiling["single_p50_ms"] = min(c["single_p50_ms"] for c in ceilings)
     best_ceiling["peak_rss_mib"] = max(c["peak_rss_mib"] for c in ceilings)
@@ -204,23 +269,24 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
         f"{best_ceiling['peak_rss_mib']:.0f} MiB"
     )
     for load in LOADS:
-        load_runs = results[load.name]
-        runs = [run.wrk for run in load_runs]
-        best_run = max(load_runs, key=lambda r: r.wrk.rate)
-        best = best_run.wrk
-        errors = sum(r.bad + r.socket_errors for r in runs)
+        bracketed = results[load.name]
+        single = load.ceiling == "single"
+        # Each load keeps the round whose ratio to its own bracket is best.
+        chosen = (min if single else max)(bracketed, key=lambda b: b.ratio(load))
+        best_run, best = chosen.run, chosen.run.wrk
+        ratio = chosen.ratio(load)
+        errors = sum(b.run.wrk.bad + b.run.wrk.socket_errors for b in bracketed)
         texts_per_s = best.rate * load.inputs
-        if load.ceiling == "single":
-            p50 = min(r.p50_ms for r in runs)
-            ratio = p50 / best_ceiling["single_p50_ms"]
-            figure = f"p50 {p50:.2f} ms ({ratio:.2f}x the in-process call)"
+        if single:
+            figure = f"p50 {best.p50_ms:.2f} ms ({ratio:.2f}x the in-process call"
+            around = f"{chosen.before:.2f}, {chosen.after:.2f} ms"
         else:
-            ratio = texts_per_s / best_ceiling[load.ceiling]
-            figure = f"{texts_per_s:.0f} texts/s ({ratio:.2f}x the ceiling)"
+            figure = f"{texts_per_s:.0f} texts/s ({ratio:.2f}x the ceiling"
+            around = f"{chosen.before:.0f}, {chosen.after:.0f} {load.ceiling}/s"
         print(
-            f"  {load.name:13} {figure}; {best.rate:.0f} req/s, p50 {best.p50_ms:.1f} ms, "
-            f"p99 {best.p99_ms:.1f} ms; errors {errors}; peak RSS {rss[load.name]:.0f} MiB; "
-            f"wrk used {best.client_cores:.2f} cores"
+            f"  {load.name:13} {figure} around it: {around}); {best.rate:.0f} req/s, p50 "
+            f"{best.p50_ms:.1f} ms, p99 {best.p99_ms:.1f} ms; errors {errors}; peak RSS "
+            f"{rss[load.name]:.0f} MiB; wrk used {best.client_cores:.2f} cores"
         )
         print(
             f"    server CPU per text: front ends' event loops {best_run.frontend_loop_ms:.2f} "
@@ -232,13 +298,16 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
             f"forward passes {best_run.busy:.0%} of the time"
         )
         if errors:
-            print(f"    first bad answer: {next(r.first_bad for r in runs if r.first_bad)}")
+            first_bad = next(b.run.wrk.first_bad for b in bracketed if b.run.wrk.first_bad)
+            print(f"    first bad answer: {first_bad}")
         figures["loads"][load.name] = {  # type: ignore[index]
             "texts_per_s": texts_per_s,
+            "p50_ms": best.p50_ms,
             "ratio": ratio,
+            "ceiling_around": [chosen.before, chosen.after],
             "errors": errors,
             "peak_rss_mib": rss[load.name],
-            "runs": [asdict(r) for r in load_runs],
+            "runs": [asdict(b) for b in bracketed],
         }
     return figures
 
@@ -271,11 +340,11 @@ def main() -> None:
         action="store_false",
         help="the ceiling and the server on F.linear, not prepacked weights (model/prepacked.py)",
     )
-    parser.add_argument("--ceiling-of", help=argparse.SUPPRESS)
+    parser.add_argument("--reference-of", help=argparse.SUPPRESS)
     parser.add_argument("server", nargs="*", help="after --, flags for the server")
     args = parser.parse_args()
-    if args.ceiling_of:
-        print(json.dumps(ceiling(args.ceiling_of, args)))
+    if args.reference_of:
+        reference(args.reference_of, args)
         return
     report = {dtype: benchmark(dtype, args) for dtype in args.dtypes}
     RESULTS.parent.mkdir(exist_ok=True)

@@ -43,12 +43,14 @@ FULL_TIER_PATHS = (
     "tests/app/test_slow_clients.py",
     "tests/app/test_split.py",
     "tests/bench/test_frontend_cost.py",  # a front end in a process of its own
+    "tests/bench/test_server.py",  # the ceiling in a process of its own
     "tests/bench/test_soak.py",
     "tests/deploy/test_compose_topology.py",
     "tests/docs/test_examples.py",
 )
 FULL_TIER_TESTS: dict[str, set[str]] = {
     "tests/app/test_cores.py": {"test_a_worker_killed_mid_pass_blocks_nobody"},
+    "tests/bench/test_wrk.py": {"test_wrk_counts_every_answer_of_the_wrong_shape"},
     # Real timeouts waited out.
     "tests/app/test_limits.py": {"test_request_timeout", "test_body_timeout"},
     # Servers started as processes, to see them fail.
