@@ -1,5 +1,5 @@
 -- wrk script: POST the bodies of a file (one JSON body per line) in turn, and check every
--- answer: status 200, the number of vectors, and the dimension of the first.
+-- answer: status 200, the number of vectors, and the dimension of the first and the last.
 -- Usage: wrk ... -s embed.lua URL -- BODIES_FILE PATH VECTORS DIMENSION
 local threads = {}
 
@@ -22,27 +22,34 @@ function request()
   return wrk.format("POST", path, headers, bodies[next_body])
 end
 
--- How often `needle` occurs in `text` up to position `stop` (the end if nil). Plain finds,
--- not a pattern's gsub: that copies the body and tries the pattern at every byte, about 2.6 ms
--- for 32 vectors of 384, long enough to make wrk the bottleneck of its own connections.
-local function occurrences(text, needle, stop)
-  local count, at = 0, 1
+-- How often `needle` occurs in `text` between positions `first` and `last`, and where it
+-- last does. Plain finds, not a pattern's gsub, which copies the body and tries the pattern at
+-- every byte: long enough on a large answer to make wrk the bottleneck of its own connections.
+local function occurrences(text, needle, first, last)
+  local count, at, last_found = 0, first, nil
   while true do
     local found = text:find(needle, at, true)
-    if found == nil or (stop ~= nil and found > stop) then
-      return count
+    if found == nil or found > last then
+      return count, last_found
     end
-    count, at = count + 1, found + #needle
+    count, at, last_found = count + 1, found + #needle, found
   end
 end
 
+-- The server's JSON has no whitespace (orjson): [[a,b,...],...,[y,z,...]]. The first and the
+-- last vector must each hold `dimension` numbers.
 local function wrong(body)
+  local length = #body
   local first_end = body:find("]", 3, true)
-  if body:sub(1, 2) ~= "[[" or body:sub(-2) ~= "]]" or first_end == nil then
+  if body:sub(1, 2) ~= "[[" or body:sub(-2) ~= "]]" or first_end == nil or first_end == 3 then
     return true
   end
-  return occurrences(body, "],[") + 1 ~= vectors
-    or occurrences(body, ",", first_end) + 1 ~= dimension
+  local separators, last_separator = occurrences(body, "],[", 1, length)
+  local last_start = last_separator and last_separator + 3 or 3
+  return separators + 1 ~= vectors
+    or body:sub(last_start, last_start) == "]"
+    or occurrences(body, ",", 3, first_end) + 1 ~= dimension
+    or occurrences(body, ",", last_start, length) + 1 ~= dimension
 end
 
 function response(status, _, body)
