@@ -35,7 +35,7 @@ from pathlib import Path
 import orjson
 
 from bench.workload import long_passages, short_sentences
-from bench.wrk import WRK_CORE, Server, WrkResult, engines_in, run_wrk
+from bench.wrk import WRK_CORE, Server, WrkResult, engines_in, peak_kib, run_wrk
 from model import DEFAULT_MODEL_ID
 
 RESULTS = Path(__file__).resolve().parent / "results" / "server.json"
@@ -88,12 +88,15 @@ def reference(dtype: str, args: argparse.Namespace) -> None:
         args.model_id or DEFAULT_MODEL_ID, device=args.device, dtype=dtype, prepack=args.prepack
     )
     embedder.capture_graphs()  # as the server does at start-up (none on the CPU)
-    texts = {"short": short_sentences(2048), "long": long_passages(256)}
+    ordered = {
+        "short": sorted(short_sentences(2048), key=len),
+        "long": sorted(long_passages(256), key=len),
+    }
     singles = short_sentences(300, seed=2)
 
     def rate(name: str, share: int, at_least: float) -> float:
-        ordered = sorted(texts[name], key=len)[::share]
-        batches = [ordered[start : start + BATCH] for start in range(0, len(ordered), BATCH)]
+        texts = ordered[name][::share]
+        batches = [texts[start : start + BATCH] for start in range(0, len(texts), BATCH)]
         # A first pass untimed: on a GPU each new eager shape pays for choosing its kernels
         # once, several times the cost of a pass with its kernels chosen.
         for batch in batches:
@@ -103,7 +106,7 @@ def reference(dtype: str, args: argparse.Namespace) -> None:
             for batch in batches:
                 embedder.embed(batch)
             passes += 1
-        return passes * len(ordered) / (time.perf_counter() - started)
+        return passes * len(texts) / (time.perf_counter() - started)
 
     def single_p50_ms(share: int, at_least: float) -> float:
         calls = singles[::share]
@@ -125,20 +128,13 @@ def reference(dtype: str, args: argparse.Namespace) -> None:
                 "short": rate("short", 1, 0),
                 "long": rate("long", 1, 0),
                 "single_p50_ms": single_p50_ms(1, 0),
-                "peak_rss_mib": peak_rss_mib(),  # after the passes: their activations count
+                "peak_rss_mib": peak_kib(os.getpid()) / 1024,  # after the passes, which count
             }
         elif command == "single":
             figures = {"single_p50_ms": single_p50_ms(BRACKET_SHARE, BRACKET_SECONDS)}
         else:
             figures = {command: rate(command, BRACKET_SHARE, BRACKET_SECONDS)}
         print(json.dumps(figures), file=answers, flush=True)
-
-
-def peak_rss_mib() -> float:
-    """This process's VmHWM: the most resident memory it has had so far."""
-    status = Path("/proc/self/status").read_text()
-    kib = next(row.split()[1] for row in status.splitlines() if row.startswith("VmHWM"))
-    return int(kib) / 1024
 
 
 class Reference:

@@ -150,7 +150,7 @@ class Server:
         """VmHWM, the most resident memory a process has had so far, summed over the server
         and its child processes (engines and front ends, under the split placement)."""
         pids = [self.process.pid, *children(self.process.pid)]
-        return sum(_peak_kib(pid) for pid in pids) / 1024
+        return sum(peak_kib(pid) for pid in pids) / 1024
 
     def info(self) -> dict[str, object]:
         info: dict[str, object] = httpx.get(f"{self.url}/info", timeout=10).json()
@@ -222,7 +222,8 @@ def children(pid: int) -> list[int]:
     return [int(child) for child in listing.read_text().split()] if listing.exists() else []
 
 
-def _peak_kib(pid: int) -> int:
+def peak_kib(pid: int) -> int:
+    """A process's VmHWM in KiB: the most resident memory it has had so far (0 once gone)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:  # exited meanwhile

@@ -23,9 +23,9 @@ from torch import Tensor
 
 # On a CPU with more than one thread, torch's flash kernel works through each sequence and
 # head on its own, in blocks, and on short inputs that costs more than computing all the
-# scores at once: one batched product, a softmax, one more product. Up to this many keys that
-# took 0.2-1.0x the flash kernel's time on two threads, and was mostly slower on one
-# (`python -m bench.attention`; docs/benchmarks.md). The scores take B x H x T x T floats.
+# scores at once: one batched product, a softmax, one more product. Up to this many keys
+# that measured faster on two threads, and mostly slower on one (`python -m bench.attention`;
+# docs/benchmarks.md). The scores take B x H x T x T floats.
 SCORES_AT_ONCE_KEYS = 48
 
 

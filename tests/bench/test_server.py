@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.server import LOADS, Bracketed, LoadRun, Reference, best_round
-from bench.wrk import WrkResult, _peak_kib
+from bench.wrk import WrkResult, peak_kib
 
 
 def test_the_ceiling_process_measures_each_figure_it_is_asked_for(
@@ -20,7 +20,7 @@ def test_the_ceiling_process_measures_each_figure_it_is_asked_for(
         full = reference.ask("full")
         assert set(full) == {"short", "long", "single_p50_ms", "peak_rss_mib"}
         # Read after its passes, so that their memory counts.
-        assert full["peak_rss_mib"] >= 0.97 * _peak_kib(reference.process.pid) / 1024
+        assert full["peak_rss_mib"] >= 0.97 * peak_kib(reference.process.pid) / 1024
         for load in LOADS:
             figure = reference.ask(load.ceiling)
             assert list(figure) == [load.figure]
