@@ -36,6 +36,9 @@ class EncodeOptions:
     pooled: bool = True
     token_embeddings: bool = False
     attention: AttentionQuery | None = None
+    # Each input's tokens and offsets, kept for a route that shows them; the others need only
+    # the ids, which the tokenizer finds faster without tracking offsets.
+    token_details: bool = False
 
 
 ChunkMode = Literal["independent", "late"]

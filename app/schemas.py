@@ -617,6 +617,7 @@ class EncodeRequest(TruncatingRequest):
             pooled=self.pooled,
             token_embeddings=self.token_embeddings,
             attention=self.attention.query() if self.attention else None,
+            token_details=self.tokens,
         )
 
 

@@ -266,7 +266,7 @@ class EmbeddingService:
             self.engine.check_room(deadline - time.perf_counter())
             try:
                 encoded, tokenization = await self.tokenization.run(
-                    codec, inputs, options, deadline=deadline
+                    codec, inputs, options, details=options.token_details, deadline=deadline
                 )
             except TimeoutError as exc:  # still waiting for the tokenizer's threads
                 raise self._deadline_error() from exc
@@ -343,7 +343,11 @@ class EmbeddingService:
                 ]
                 if pieces:
                     encoded, seconds = await self.tokenization.run(
-                        codec, pieces, replace(options, truncate=True), deadline=deadline
+                        codec,
+                        pieces,
+                        replace(options, truncate=True),
+                        details=False,  # each piece's vector is all its chunk gives
+                        deadline=deadline,
                     )
                     tokenization += seconds
             else:

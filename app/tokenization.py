@@ -80,11 +80,13 @@ class Tokenization:
         options: EncodeOptions,
         *,
         add_special_tokens: bool = True,
+        details: bool = True,
         deadline: float | None = None,
     ) -> tuple[list[Encoded], float]:
         """Every input encoded, in order; also the seconds it took. TimeoutError past
         `deadline` (perf_counter) while waiting for the pool (whose threads still finish the
-        work: they cannot be stopped)."""
+        work: they cannot be stopped). Without `details`, texts keep only what the model
+        runs on (model/tokenizer.py's `TextTokenizer.encode`)."""
         truncate = self.auto_truncate if options.truncate is None else options.truncate
 
         def encode_singles(items: Sequence[RawInput]) -> list[Encoded]:
@@ -94,6 +96,7 @@ class Tokenization:
                 direction=options.direction,
                 prompt_name=options.prompt_name,
                 add_special_tokens=add_special_tokens,
+                details=details,
             )
 
         def encode() -> list[Encoded]:

@@ -59,6 +59,7 @@ class TextCodec:
         direction: Direction | None = None,
         prompt_name: str | None = None,
         add_special_tokens: bool = True,
+        details: bool = True,
     ) -> list[Encoded]:
         return self.tokenizer.encode(
             inputs,
@@ -66,6 +67,7 @@ class TextCodec:
             direction=direction,
             add_special_tokens=add_special_tokens,
             prompt=self.prompt(prompt_name),
+            details=details,
         )
 
     def tokenize_whole(self, text: str, prompt_name: str | None = None) -> Encoded:

@@ -217,9 +217,12 @@ class TextTokenizer:
         direction: Direction | None = None,
         add_special_tokens: bool = True,
         prompt: str = "",
+        details: bool = True,
     ) -> list[Encoded]:
         """Texts (with `prompt` in front) go through the tokenizer in one batch call; id lists
-        are checked and cut (on `direction`, by default the model's side)."""
+        are checked and cut (on `direction`, by default the model's side). Without `details`
+        a text keeps its ids, truncation and segments only (its tokens and offsets read
+        empty), tokenized without tracking offsets, which costs a fifth less."""
         direction = direction or self.truncation_side
         results: list[Encoded] = []
         texts: list[tuple[int, str]] = []
@@ -227,7 +230,9 @@ class TextTokenizer:
             if isinstance(item, str):
                 check_unicode(index, item)
                 texts.append((index, item))
-        encoded = self._encode_texts(texts, truncate, direction, add_special_tokens, prompt)
+        encoded = self._encode_texts(
+            texts, truncate, direction, add_special_tokens, prompt, details
+        )
         for index, item in enumerate(inputs):
             if isinstance(item, str):
                 results.append(encoded[index])
@@ -324,15 +329,18 @@ class TextTokenizer:
         direction: Direction,
         add_special_tokens: bool,
         prompt: str,
+        details: bool,
     ) -> dict[int, Encoded]:
         # A prompt survives a left cut: the text is cut and the prompt kept, by hand below.
         keep_prompt = bool(prompt) and truncate and direction == "left"
+        # That cut finds the prompt's tokens by their offsets.
+        offsets = details or keep_prompt
         tokenizer = (
             self._untruncated if keep_prompt or not truncate else self._truncating[direction]
         )
         cut = {index: self._cut(text, direction) for index, text in texts}
         batch = [prompt + cut[index] for index, _ in texts]
-        encodings = self._encode(tokenizer, batch, add_special_tokens)
+        encodings = self._encode(tokenizer, batch, add_special_tokens, offsets)
         prompt_length = self.prompt_length(prompt) if prompt else 0
         results: dict[int, Encoded] = {}
         for (index, text), encoding in zip(texts, encodings, strict=True):
@@ -341,12 +349,17 @@ class TextTokenizer:
                 encoding, untruncated=tokenizer is self._untruncated
             ):
                 # The cut text does not overflow by the margin: tokenize the whole text.
-                [encoding] = self._encode(tokenizer, [prompt + text], add_special_tokens)
+                [encoding] = self._encode(tokenizer, [prompt + text], add_special_tokens, offsets)
                 was_cut = False
             result = self._from_encoding(
-                index, encoding, truncate, was_cut=was_cut, prompt_length=prompt_length
+                index,
+                encoding,
+                truncate,
+                was_cut=was_cut,
+                prompt_length=prompt_length,
+                details=offsets,
             )
-            if was_cut and direction == "left":
+            if was_cut and direction == "left" and offsets:
                 # The cut dropped the start of the text: offsets count from the text as sent.
                 result = _shift_offsets(result, len(prompt), len(text) - len(cut[index]))
             if keep_prompt:
@@ -355,13 +368,20 @@ class TextTokenizer:
         return results
 
     def _encode(
-        self, tokenizer: Tokenizer, texts: list[str], add_special_tokens: bool
+        self,
+        tokenizer: Tokenizer,
+        texts: list[str],
+        add_special_tokens: bool,
+        offsets: bool = True,
     ) -> list[Encoding]:
         """`tokenizer` on `texts`, through its plain ASCII twin where every text is plain (a
-        batch with one other text goes through `tokenizer` whole)."""
+        batch with one other text goes through `tokenizer` whole); without `offsets`, the
+        encodings' offsets are all (0, 0)."""
         twin = self._plain_twins.get(tokenizer)
         if twin is not None and all(map(is_plain, texts)):
             tokenizer = twin
+        if not offsets:
+            return tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         return _encode(tokenizer, texts, add_special_tokens)
 
     def _cut(self, text: str, direction: Direction) -> str:
@@ -407,17 +427,21 @@ class TextTokenizer:
         *,
         was_cut: bool = False,
         prompt_length: int = 0,
+        details: bool = True,
     ) -> Encoded:
         if not truncate and len(encoding.ids) > self.max_length:
             raise InputTooLongError(index, len(encoding.ids), self.max_length, at_least=was_cut)
         truncated = bool(encoding.overflowing)
+        kept: TokenDetails | Encoding = NO_DETAILS
+        if details:
+            # A truncated text's Encoding holds the tokens cut off too: read now, so that
+            # those are not kept for the request's life.
+            kept = details_of(encoding) if truncated else encoding
         return Encoded(
             ids=encoding.ids,
             truncated=truncated,
             prompt_length=prompt_length,
-            # A truncated text's Encoding holds the tokens cut off too: read now, so that
-            # those are not kept for the request's life.
-            details=details_of(encoding) if truncated else encoding,
+            details=kept,
         )
 
     def _cut_keeping_prompt(self, encoded: Encoded, prompt_chars: int) -> Encoded:

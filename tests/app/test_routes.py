@@ -11,8 +11,10 @@ import numpy as np
 import openai
 import pytest
 
+from app.params import EncodeOptions
 from model import AttentionSpec, Embedder, finish
-from tests.app.conftest import Placement, make_settings, running_app
+from model.tokenizer import NO_DETAILS
+from tests.app.conftest import Placement, make_settings, running_app, service_of
 from tests.helpers import TINY_VOCAB
 
 pytestmark = pytest.mark.anyio
@@ -24,6 +26,22 @@ def reference(
 ) -> np.ndarray:
     pooled = tiny_embedder.forward(tiny_embedder.tokenize(texts)).pooled
     return finish(pooled.numpy(), normalize, dimensions)
+
+
+async def test_texts_keep_their_tokens_only_for_a_route_that_shows_them(
+    tiny_checkpoint: Path,
+) -> None:
+    """The vector routes tokenize for ids alone (no offsets tracked); /encode with `tokens`
+    keeps each text's tokens and offsets (its response is checked below)."""
+    async with running_app(make_settings(tiny_checkpoint)) as (app, _):
+        service = service_of(app)
+        bare = await service.encode(TEXTS, EncodeOptions())
+        kept = await service.encode(TEXTS, EncodeOptions(token_details=True))
+    for alone, full in zip(bare.encoded, kept.encoded, strict=True):
+        assert alone.details is NO_DETAILS and alone.ids == full.ids
+        assert full.offsets is not None and len(full.tokens) == len(full.ids)
+    assert kept.encoded[0].tokens == ["[CLS]", "hello", "world", "[SEP]"]
+    assert np.array_equal(bare.vectors(), kept.vectors())
 
 
 async def test_embed_matches_the_model(

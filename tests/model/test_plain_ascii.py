@@ -4,6 +4,7 @@ tokens, offsets, special flags and what truncation cuts off, alone and in pairs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -14,7 +15,7 @@ from tokenizers import Encoding, Tokenizer
 
 from model import Direction, Embedder, InputTooLongError
 from model.plain_ascii import is_plain, plain_ascii_json
-from model.tokenizer import TextTokenizer
+from model.tokenizer import NO_DETAILS, TextTokenizer
 
 PRINTABLE = "".join(chr(code) for code in range(0x20, 0x7F))
 # Pieces that reach the tokenizer's corners: its special tokens typed as text, whitespace of
@@ -234,6 +235,54 @@ def answers(
         ),
         tokenizer.encode_whole(text, prompt),
     ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.one_of(PLAIN_TEXT, PLAIN_TEXT.map(lambda text: text * 40), st.text(max_size=40)),
+    prompt=st.sampled_from(["", "query: "]),
+    direction=st.sampled_from(["right", "left"]),
+    truncate=st.booleans(),
+)
+@example(text="word " * 400, prompt="query: ", direction="left", truncate=True)
+def test_ids_without_details_are_the_ids_with_them(
+    served_pairs: list[tuple[TextTokenizer, TextTokenizer]],
+    text: str,
+    prompt: str,
+    direction: Direction,
+    truncate: bool,
+) -> None:
+    """What the model runs on (ids, truncation, the prompt's length, segments) is the same
+    without the details, through the twins or not, and no details are kept, but where the
+    left cut of a prompted text needs the offsets to find the prompt."""
+    for tokenizer in (tokenizer for pair in served_pairs for tokenizer in pair):
+        full, bare = (
+            outcome(
+                partial(
+                    tokenizer.encode,
+                    [text, [101, 7592, 102]],
+                    truncate=truncate,
+                    direction=direction,
+                    prompt=prompt,
+                    details=details,
+                )
+            )
+            for details in (True, False)
+        )
+        if not isinstance(full, list):  # too long, and not to be cut
+            assert bare == full
+            continue
+        assert isinstance(bare, list)
+        for kept, alone in zip(full, bare, strict=True):
+            assert (alone.ids, alone.truncated, alone.prompt_length, alone.type_ids) == (
+                kept.ids,
+                kept.truncated,
+                kept.prompt_length,
+                kept.type_ids,
+            )
+        keeps_prompt = bool(prompt) and truncate and direction == "left"
+        assert (bare[0].details is NO_DETAILS) is not keeps_prompt
+        assert bare[1] == full[1]  # ids sent as ids have their tokens either way
 
 
 def test_no_twin_where_an_added_token_is_matched_after_normalizing(minilm: Embedder) -> None:
