@@ -37,7 +37,8 @@ class EncodeOptions:
     token_embeddings: bool = False
     attention: AttentionQuery | None = None
     # Each input's tokens and offsets, kept for a route that shows them; the others need only
-    # the ids, which the tokenizer finds faster without tracking offsets.
+    # the ids, which the tokenizer finds faster for texts sent together without tracking
+    # offsets.
     token_details: bool = False
 
 

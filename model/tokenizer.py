@@ -222,7 +222,8 @@ class TextTokenizer:
         """Texts (with `prompt` in front) go through the tokenizer in one batch call; id lists
         are checked and cut (on `direction`, by default the model's side). Without `details`
         a text keeps its ids, truncation and segments only (its tokens and offsets read
-        empty), tokenized without tracking offsets, which costs a fifth less."""
+        empty), and texts sent together are tokenized without tracking offsets, which costs
+        a fifth less."""
         direction = direction or self.truncation_side
         results: list[Encoded] = []
         texts: list[tuple[int, str]] = []
@@ -375,12 +376,16 @@ class TextTokenizer:
         offsets: bool = True,
     ) -> list[Encoding]:
         """`tokenizer` on `texts`, through its plain ASCII twin where every text is plain (a
-        batch with one other text goes through `tokenizer` whole); without `offsets`, the
-        encodings' offsets are all (0, 0)."""
+        batch with one other text goes through `tokenizer` whole); without `offsets`, a
+        batch's offsets may be all (0, 0)."""
         twin = self._plain_twins.get(tokenizer)
         if twin is not None and all(map(is_plain, texts)):
             tokenizer = twin
-        if not offsets:
+        if not offsets and len(texts) > 1:
+            # Untracked offsets are only to be had in a batch call, which lets go of the GIL
+            # as `encode_batch` does: a lone text keeps `encode`, which holds it (an engine in
+            # the same process would take it meanwhile, and hand it back only after
+            # Python's switch interval).
             return tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         return _encode(tokenizer, texts, add_special_tokens)
 

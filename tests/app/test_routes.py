@@ -31,8 +31,9 @@ def reference(
 async def test_texts_keep_their_tokens_only_for_a_route_that_shows_them(
     tiny_checkpoint: Path,
 ) -> None:
-    """The vector routes tokenize for ids alone (no offsets tracked); /encode with `tokens`
-    keeps each text's tokens and offsets (its response is checked below)."""
+    """The vector routes keep each text's ids alone (two texts, tokenized together without
+    tracking offsets); /encode with `tokens` keeps their tokens and offsets too (its response
+    is checked below)."""
     async with running_app(make_settings(tiny_checkpoint)) as (app, _):
         service = service_of(app)
         bare = await service.encode(TEXTS, EncodeOptions())

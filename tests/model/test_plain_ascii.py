@@ -3,6 +3,7 @@ tokens, offsets, special flags and what truncation cuts off, alone and in pairs.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -253,14 +254,16 @@ def test_ids_without_details_are_the_ids_with_them(
     truncate: bool,
 ) -> None:
     """What the model runs on (ids, truncation, the prompt's length, segments) is the same
-    without the details, through the twins or not, and no details are kept, but where the
-    left cut of a prompted text needs the offsets to find the prompt."""
-    for tokenizer in (tokenizer for pair in served_pairs for tokenizer in pair):
+    without the details, for a lone text and for texts sent together (tokenized without
+    tracking offsets), through the twins or not; and no details are kept, but where the left
+    cut of a prompted text needs the offsets to find the prompt."""
+    tokenizers = (tokenizer for pair in served_pairs for tokenizer in pair)
+    for tokenizer, together in itertools.product(tokenizers, ([], ["and another text"])):
         full, bare = (
             outcome(
                 partial(
                     tokenizer.encode,
-                    [text, [101, 7592, 102]],
+                    [text, *together, [101, 7592, 102]],
                     truncate=truncate,
                     direction=direction,
                     prompt=prompt,
@@ -281,8 +284,8 @@ def test_ids_without_details_are_the_ids_with_them(
                 kept.type_ids,
             )
         keeps_prompt = bool(prompt) and truncate and direction == "left"
-        assert (bare[0].details is NO_DETAILS) is not keeps_prompt
-        assert bare[1] == full[1]  # ids sent as ids have their tokens either way
+        assert all((e.details is NO_DETAILS) is not keeps_prompt for e in bare[:-1])
+        assert bare[-1] == full[-1]  # ids sent as ids have their tokens either way
 
 
 def test_no_twin_where_an_added_token_is_matched_after_normalizing(minilm: Embedder) -> None:
