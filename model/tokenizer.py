@@ -222,8 +222,7 @@ class TextTokenizer:
         """Texts (with `prompt` in front) go through the tokenizer in one batch call; id lists
         are checked and cut (on `direction`, by default the model's side). Without `details`
         a text keeps its ids, truncation and segments only (its tokens and offsets read
-        empty), and texts sent together are tokenized without tracking offsets, which costs
-        a fifth less."""
+        empty), and texts sent together are tokenized without tracking offsets."""
         direction = direction or self.truncation_side
         results: list[Encoded] = []
         texts: list[tuple[int, str]] = []
@@ -376,18 +375,11 @@ class TextTokenizer:
         offsets: bool = True,
     ) -> list[Encoding]:
         """`tokenizer` on `texts`, through its plain ASCII twin where every text is plain (a
-        batch with one other text goes through `tokenizer` whole); without `offsets`, a
-        batch's offsets may be all (0, 0)."""
+        batch with one other text goes through `tokenizer` whole)."""
         twin = self._plain_twins.get(tokenizer)
         if twin is not None and all(map(is_plain, texts)):
             tokenizer = twin
-        if not offsets and len(texts) > 1:
-            # Untracked offsets are only to be had in a batch call, which lets go of the GIL
-            # as `encode_batch` does: a lone text keeps `encode`, which holds it (an engine in
-            # the same process would take it meanwhile, and hand it back only after
-            # Python's switch interval).
-            return tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-        return _encode(tokenizer, texts, add_special_tokens)
+        return _encode(tokenizer, texts, add_special_tokens, offsets)
 
     def _cut(self, text: str, direction: Direction) -> str:
         """The side of a long text that truncation keeps, ending at a whitespace if one is
@@ -563,11 +555,18 @@ def _order_unknown(counts: tuple[int, int], was_cut: tuple[bool, bool], budget: 
     return cut_length <= other
 
 
-def _encode(tokenizer: Tokenizer, texts: list[str], add_special_tokens: bool) -> list[Encoding]:
+def _encode(
+    tokenizer: Tokenizer, texts: list[str], add_special_tokens: bool, offsets: bool = True
+) -> list[Encoding]:
     """One text through `encode`: `encode_batch` hands even a single text to the library's
-    thread pool, which costs more than the tokenizing itself (measured on the event loop)."""
+    thread pool, which costs more than the tokenizing itself (measured on the event loop),
+    and lets go of the GIL, which an engine in the same process then holds for up to Python's
+    switch interval. Several texts without `offsets` through `encode_batch_fast`, whose
+    offsets are all (0, 0), for less work (docs/benchmarks.md)."""
     if len(texts) == 1:
         return [tokenizer.encode(texts[0], add_special_tokens=add_special_tokens)]
+    if not offsets:
+        return tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
     return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
 
 
