@@ -14,7 +14,7 @@ _HTTP_TYPES = {404: "NotFound", 405: "MethodNotAllowed"}
 
 def error_body(path: str, error: ServiceError, request_id: str | None = None) -> dict[str, object]:
     message = error.message if request_id is None else f"{error.message} (request id {request_id})"
-    if path.startswith("/v1/"):
+    if speaks_openai(path):
         code = error.error_type.lower()
         return {
             "error": {
@@ -25,6 +25,12 @@ def error_body(path: str, error: ServiceError, request_id: str | None = None) ->
             }
         }
     return {"error": message, "error_type": error.error_type}
+
+
+def speaks_openai(path: str) -> bool:
+    """An OpenAI route, for any model: /v1/..., or /models/{name}/v1/... also where no model
+    has that name (a name may hold slashes, so the route is found by its /v1/)."""
+    return path.startswith("/v1/") or (path.startswith("/models/") and "/v1/" in path)
 
 
 def render_error(

@@ -41,6 +41,20 @@ class Limits:
                         f"input {index} has {len(text)} characters, more than the limit of {chars}"
                     )
 
+    def check_ids(self, ids: Sequence[Sequence[int]]) -> None:
+        """/decode's token id lists: 413 past the inputs and the tokens a request may hold."""
+        limit = self.settings.max_inputs_per_request
+        if len(ids) > limit:
+            raise PayloadTooLargeError(
+                f"the request holds {len(ids)} id lists, more than the limit of {limit}"
+            )
+        tokens = sum(map(len, ids))
+        limit = self.settings.max_request_tokens
+        if tokens > limit:
+            raise PayloadTooLargeError(
+                f"the request holds {tokens} token ids, more than the limit of {limit}"
+            )
+
     def check_dimensions(self, dimensions: int | None, info: ModelInfo) -> None:
         if dimensions is not None and not 1 <= dimensions <= info.dimensions:
             raise ValidationFailedError(

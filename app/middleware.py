@@ -118,10 +118,10 @@ class ServiceMiddleware:
                 self._require_key(headers)
                 raise
             route = path if path in self.routes else "other"
+            self._check_key(scope["method"], path, headers)  # a wrong key is a 401, busy or not
             if path not in self.unlimited:
                 self._admit()
                 admitted = True
-            self._check_key(scope["method"], path, headers)
             if scope["method"] == "POST" and (path == "/" or path in self.post_routes):
                 raw = await self._read_body(headers, receive)
                 post = (
@@ -190,7 +190,7 @@ class ServiceMiddleware:
     async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
         """Read the whole body, within the payload limit and the body timeout."""
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.payload_limit:
+        if declared is not None and declared_over(declared, self.payload_limit):
             raise self._too_large()
         body = bytearray()
         with BodyDeadline(self.body_timeout) as deadline:
@@ -249,3 +249,13 @@ class BodyDeadline:
             taken_back = self._task.uncancel() <= self._cancelling
             self.expired = taken_back and kind is asyncio.CancelledError
         return self.expired
+
+
+def declared_over(declared: bytes, limit: int) -> bool:
+    """Whether a Content-Length header states more bytes than `limit`. One that is not a
+    number is left to the body's own reading; leading zeros are taken off first, as `int`
+    refuses numbers of more than 4,300 digits."""
+    if not declared.isdigit():
+        return False
+    digits = declared.lstrip(b"0")
+    return len(digits) > len(str(limit)) or int(digits or b"0") > limit

@@ -40,13 +40,15 @@ def parse_body(model: type[Model], raw: bytes, content_type: str) -> Model:
         error = exc
     if any(e["type"] == "json_invalid" for e in error.errors()):
         try:
-            return model.model_validate(_loads(raw))
+            return model.model_validate(read_json(raw))
         except ValidationError as again:
             error = again
     raise validation_error(error.errors()) from None
 
 
-def _loads(raw: bytes) -> Any:
+def read_json(raw: bytes) -> Any:
+    """The body as `json.loads` reads it: what pydantic's and orjson's parsers refuse but
+    JSON allows (a byte order mark, a lone surrogate), or a MalformedRequestError."""
     try:
         text = raw.decode("utf-8-sig")  # a leading byte order mark may be ignored (RFC 8259)
     except UnicodeDecodeError as exc:
@@ -66,14 +68,18 @@ def validation_error(errors: Sequence[Any]) -> ServiceError:
     loc = [part for part in first.get("loc", ()) if part != "body"]
     field = str(loc[0]) if loc else None
     if first["type"] == NOT_UNICODE:
-        where = first.get("ctx", {}).get("where") or _indices(loc)
+        # A union's validator (app/schemas.py `expecting`) says where in it, past its field.
+        where = _location(loc) + first.get("ctx", {}).get("where", "")
         return ValidationFailedError(
-            f"{field}{where} is not valid Unicode: it holds a lone surrogate", param=field
+            f"{where} is not valid Unicode: it holds a lone surrogate", param=field
         )
     path = ".".join(str(part) for part in loc)
     return ValidationFailedError(f"{path or 'body'}: {first['msg']}", param=path or None)
 
 
-def _indices(loc: Sequence[Any]) -> str:
-    """The list positions in an error's location: `[1]`, `[0][1]`."""
-    return "".join(f"[{part}]" for part in loc if isinstance(part, int))
+def _location(loc: Sequence[Any]) -> str:
+    """An error's location as the body writes it: `inputs.sentences[1]`."""
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else str(part)
+    return text

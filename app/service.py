@@ -390,8 +390,9 @@ class EmbeddingService:
         ranges = self.calibration.ranges(options.normalize, options.dimensions)
         return quantize(vectors, precision, ranges)
 
-    def decode(self, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool) -> list[str]:
+    async def decode(self, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool) -> list[str]:
         codec = self.check_ready()
+        self.limits.check_ids(ids)
         vocabulary = codec.info.vocab_size
         for row, sequence in enumerate(ids):
             for position, token_id in enumerate(sequence):
@@ -401,7 +402,7 @@ class EmbeddingService:
                         f"vocabulary [0, {vocabulary})",
                         param="ids",
                     )
-        return codec.decode(ids, skip_special_tokens=skip_special_tokens)
+        return await self.tokenization.decode(codec, ids, skip_special_tokens)
 
     def _count(self, encoded: Sequence[Encoded], tokens: int) -> None:
         """A finished request's inputs and tokens, in the metrics."""

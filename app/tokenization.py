@@ -25,6 +25,8 @@ from model.tokenizer import Encoded
 TOKENIZER_THREADS = 2
 # Requests with fewer characters than this are tokenized on the event loop.
 INLINE_CHARS = 2048
+# The same for token ids to decode: a token is a few characters.
+INLINE_IDS = INLINE_CHARS // 4
 # Said with every out-of-vocabulary id: the usual source is a client that tokenizes itself.
 TOKEN_ID_HINT = (
     "token ids must come from this model's tokenizer (LangChain's OpenAIEmbeddings sends "
@@ -136,6 +138,18 @@ class Tokenization:
             return then([codec.tokenize_whole(text, prompt_name) for text in texts])
 
         return await self._timed(encode, sum(map(len, texts)), deadline)
+
+    async def decode(
+        self, codec: TextCodec, ids: Sequence[Sequence[int]], skip_special_tokens: bool
+    ) -> list[str]:
+        """Token ids back to text; many of them in the pool, as long texts are tokenized."""
+
+        def decode() -> list[str]:
+            return codec.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        if sum(map(len, ids)) < INLINE_IDS:
+            return decode()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, decode)
 
     async def _timed(
         self, encode: Callable[[], Done], chars: int, deadline: float | None

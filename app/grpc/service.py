@@ -345,7 +345,7 @@ class TeiServicer:
         service = self.service()
         fields = {"ids": list(request.ids), "skip_special_tokens": request.skip_special_tokens}
         body = parse(DecodeRequest, fields)
-        [text] = service.decode(body.ids_list(), skip_special_tokens=body.skip_special_tokens)
+        [text] = await service.decode(body.ids_list(), skip_special_tokens=body.skip_special_tokens)
         return Reply(pb.DecodeResponse(text=text))
 
 

@@ -85,5 +85,5 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep, _: DisconnectDep)
 
 @router.post("/decode", response_model=list[str], summary="Token ids back to text")
 async def decode(body: DecodeRequest, service: ServiceDep, _: DisconnectDep) -> Response:
-    texts = service.decode(body.ids_list(), skip_special_tokens=body.skip_special_tokens)
+    texts = await service.decode(body.ids_list(), skip_special_tokens=body.skip_special_tokens)
     return JSONResponse(texts)

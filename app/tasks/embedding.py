@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import orjson
 
 from app.engine.protocol import Output, Wants
+from app.errors import ServiceError
+from app.parsing import read_json
 from app.tasks import TaskSpec
 from model.info import ModelInfo, Task
 from model.vectors import FloatArray, finish
@@ -36,7 +38,10 @@ def main_path(info: ModelInfo, raw: bytes) -> str:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return "/embed"  # whose parser says it is not JSON
+        try:
+            body = read_json(raw)  # a byte order mark, a lone surrogate: read as the parser does
+        except ServiceError:
+            return "/embed"  # whose parser says it is not JSON
     similarity = isinstance(body, dict) and isinstance(body.get("inputs"), dict)
     return "/similarity" if similarity else "/embed"
 

@@ -324,6 +324,24 @@ async def test_unexpected_error_is_a_generic_500_with_request_id(
         assert (await client.post("/encode", json={"inputs": "a"})).status_code == 200
 
 
+def post_scope(path: str, headers: list[tuple[bytes, bytes]]) -> Scope:
+    """A POST as uvicorn hands it to the app, with these headers as the client sent them."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), *headers],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8080),
+    }
+
+
 async def test_a_client_gone_mid_body_is_never_served(tiny_checkpoint: Path) -> None:
     """A body cut short by a disconnect is not a whole body: a 499, and nothing runs (the
     part that came, `{"inputs": "hello world"}`, would parse)."""
@@ -343,20 +361,7 @@ async def test_a_client_gone_mid_body_is_never_served(tiny_checkpoint: Path) -> 
     async def send(message: Message) -> None:
         sent.append(message)
 
-    scope: Scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/embed",
-        "raw_path": b"/embed",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", b"4000")],
-        "client": ("127.0.0.1", 5000),
-        "server": ("127.0.0.1", 8080),
-    }
+    scope = post_scope("/embed", [(b"content-length", b"4000")])
     async with running_app(make_settings(tiny_checkpoint)) as (app, client):
         gate = GatedForward(service_of(app))
         await app(scope, receive, send)
@@ -364,6 +369,31 @@ async def test_a_client_gone_mid_body_is_never_served(tiny_checkpoint: Path) -> 
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
     assert gate.batches == []
     assert 'embed_requests_total{route="/embed",status="499"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("declared", "status"),
+    [(b"0" * 5000 + b"15", 200), (b"9" * 5000, 413), (b"4097", 413), (b"15x", 200)],
+)
+async def test_a_content_length_of_any_digits_is_read_as_a_number(
+    tiny_checkpoint: Path, declared: bytes, status: int
+) -> None:
+    """httptools passes on a Content-Length of thousands of digits, which Python's `int`
+    refuses past 4,300 of them: its value decides, leading zeros and all. One that is not a
+    number leaves the body to be read as it comes (uvicorn's parser has refused it first)."""
+    body = b'{"inputs": "a"}'
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = post_scope("/embed", [(b"content-length", declared)])
+    async with running_app(make_settings(tiny_checkpoint, **LIMITS)) as (app, _):
+        await app(scope, receive, send)
+    assert sent[0]["status"] == status
 
 
 @pytest.mark.parametrize("ids", [[], [[]], [[4, 5], []], "x", [4, -1], [[4], 5]])
@@ -410,3 +440,38 @@ async def test_post_root_answers_a_lone_surrogate_as_embed_does(
     assert embed.status_code == 422 and "lone surrogate" in embed.json()["error"]
     assert (root.status_code, root.json()) == (422, embed.json())
     assert broken.status_code == 400 and broken.json()["error_type"] == "Malformed"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'\xef\xbb\xbf{"inputs": {"source_sentence": "hello", "sentences": ["world"]}}',
+        b'{"inputs": {"source_sentence": "hello", "sentences": ["\\ud800"]}}',
+    ],
+)
+async def test_post_root_reads_a_similarity_body_as_similarity_does(
+    tiny_checkpoint: Path, body: bytes
+) -> None:
+    """JSON that orjson refuses but the parser reads (a byte order mark, a lone surrogate)
+    still finds POST /'s route by its shape: /similarity's answer, or its error."""
+    headers = {"content-type": "application/json"}
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        similarity = await client.post("/similarity", content=body, headers=headers)
+        root = await client.post("/", content=body, headers=headers)
+    assert similarity.status_code in (200, 422)
+    assert (root.status_code, root.json()) == (similarity.status_code, similarity.json())
+
+
+async def test_decode_keeps_the_request_limits(tiny_checkpoint: Path) -> None:
+    """Id lists count as inputs and ids as tokens, as the other routes count them; a long
+    list is decoded off the event loop, to the same text."""
+    limits = {"max_inputs_per_request": 2, "max_request_tokens": 600}
+    async with running_app(make_settings(tiny_checkpoint, **limits)) as (_, client):
+        lists = await client.post("/decode", json={"ids": [[5], [5], [5]]})
+        tokens = await client.post("/decode", json={"ids": [[5] * 300, [5] * 301]})
+        long = await client.post("/decode", json={"ids": [5] * 600})
+        short = await client.post("/decode", json={"ids": [5]})
+    assert lists.status_code == 413 and "3 id lists" in lists.json()["error"]
+    assert tokens.status_code == 413 and "601 token ids" in tokens.json()["error"]
+    assert long.status_code == 200 and short.status_code == 200
+    assert long.json()[0].split() == short.json()[0].split() * 600

@@ -20,7 +20,13 @@ from app.errors import (
 )
 from app.main import PROTECTED_ROUTERS
 from app.parsing import parse_body
-from app.schemas import DecodeRequest, EmbedRequest, PredictRequest, RerankRequest
+from app.schemas import (
+    DecodeRequest,
+    EmbedRequest,
+    PredictRequest,
+    RerankRequest,
+    SimilarityRequest,
+)
 from tests.app.conftest import Placement, make_settings, running_app
 
 JSON = "application/json"
@@ -57,6 +63,20 @@ def test_every_post_route_of_the_schema_is_dispatched(tiny_checkpoint: Path) -> 
             JSON,
             ValidationFailedError,
             "inputs[1] is not valid Unicode: it holds a lone surrogate",
+        ),
+        (
+            SimilarityRequest,
+            b'{"inputs": {"source_sentence": "a", "sentences": ["b", "\\ud800"]}}',
+            JSON,
+            ValidationFailedError,
+            "inputs.sentences[1] is not valid Unicode",
+        ),
+        (
+            SimilarityRequest,
+            b'{"inputs": {"source_sentence": "\\ud800", "sentences": ["b"]}}',
+            JSON,
+            ValidationFailedError,
+            "inputs.source_sentence is not valid Unicode",
         ),
         (
             RerankRequest,

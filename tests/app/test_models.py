@@ -130,7 +130,11 @@ async def test_unknown_models_and_wrong_tasks_are_clear_errors(folders: dict[str
         openai = await client.post("/v1/embeddings", json={"input": "a", "model": "nope"})
         cohere = await client.post("/v2/embed", json={"texts": ["a"], "model": "nope"})
         wrong = await client.post("/models/reranker/embed", json={"inputs": "a"})
+        openai_prefixed = await client.post("/models/nope/v1/embeddings", json={"input": "a"})
     assert prefixed.status_code == 404
+    # An OpenAI route answers in OpenAI's shape even under a name no model has.
+    assert openai_prefixed.status_code == 404
+    assert "/models/embedder/" in openai_prefixed.json()["error"]["message"]
     assert "/models/embedder/" in prefixed.json()["error"]
     assert openai.status_code == 404 and openai.json()["error"]["type"] == "invalid_request_error"
     assert "it serves 'embedder', 'reranker', 'splade'" in openai.json()["error"]["message"]

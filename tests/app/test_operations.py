@@ -48,6 +48,23 @@ async def test_requests_in_progress_are_bounded_but_probes_are_not(tiny_checkpoi
     assert [p.status_code for p in probes] == [200] * 4
 
 
+async def test_a_wrong_key_is_a_401_however_busy_the_server_is(tiny_checkpoint: Path) -> None:
+    """The key is checked before the limit on requests in progress: a client with a wrong key
+    learns that, not that it should retry."""
+    settings = make_settings(tiny_checkpoint, max_concurrent_requests=1, api_key="s3cret")
+    async with running_app(settings) as (app, client):
+        client.headers["authorization"] = "Bearer s3cret"
+        gate = GatedForward(service_of(app))
+        held = await gate.hold(client)
+        wrong_key = {"authorization": "Bearer wrong"}
+        wrong = await client.post("/embed", json={"inputs": "world"}, headers=wrong_key)
+        busy = await client.post("/embed", json={"inputs": "world"})
+        gate.gate.set()
+        first = await held
+    assert first.status_code == 200
+    assert wrong.status_code == 401 and busy.status_code == 429
+
+
 def test_threads_follow_the_cgroup_quota(tmp_path: Path) -> None:
     cpu_max = tmp_path / "cpu.max"
     cpu_max.write_text("150000 100000\n")  # --cpus 1.5
