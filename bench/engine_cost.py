@@ -187,7 +187,11 @@ def submissions(model: Path) -> list[msgspec.Raw]:
     tokenizer.no_padding()
     ids = [tokenizer.encode(text).ids for text in short_sentences(4096, seed=5)]
     return [
-        encoded_message(Submit(request, 30.0, [row], [0], None, True, True, None, False, None))
+        encoded_message(
+            Submit(
+                request, time.perf_counter() + 30, [row], [0], None, True, True, None, False, None
+            )
+        )
         for request, row in enumerate(ids)
     ]
 

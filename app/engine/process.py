@@ -10,6 +10,7 @@ what is queued, then exit 0), and for a batch worker that has stopped (exit 1).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import select
@@ -68,13 +69,23 @@ class FrontEnd:
             except BlockingIOError:
                 self._wait_for_room()
             except OSError:
-                self.gone = True
+                self._lose()
 
     def _wait_for_room(self) -> None:
         try:
-            select.select([], [self.sock], [], POLL_SECONDS)
+            room = select.poll()  # not select.select, which takes no descriptor past 1023
+            room.register(self.sock, select.POLLOUT)
+            room.poll(POLL_SECONDS * 1000)
         except (OSError, ValueError):  # closed meanwhile
-            self.gone = True
+            self._lose()
+
+    def _lose(self) -> None:
+        """After a failed write the stream is out of step (a reply may be cut short), so
+        the connection is ended both ways: the front end fails what it waits for and reads
+        its engine as gone, and this engine's reading of it abandons its requests."""
+        self.gone = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         """Once the front end has gone."""
@@ -200,9 +211,9 @@ class EngineProcess:
                     ticket.abandoned = True
                 continue
             encoded, wants = submitted(message)
-            ticket = Ticket(encoded, wants, time.perf_counter() + message.left, key)
+            ticket = Ticket(encoded, wants, message.deadline, key)
             self.tickets[key] = ticket
-            arrived.append((ticket, message.left))
+            arrived.append((ticket, message.deadline - time.perf_counter()))
         return arrived
 
     def _submit(self, frontend: FrontEnd, arrived: list[tuple[Ticket, float | None]]) -> None:

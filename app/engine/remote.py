@@ -169,10 +169,9 @@ class RemoteEngine:
         link = self.links[engine]
         if link.closed:
             raise BackendError("the engine has stopped")
-        left = deadline - time.perf_counter()
-        self._admit(engine, sum(len(e.ids) for e in encoded), left)
+        self._admit(engine, sum(len(e.ids) for e in encoded), deadline - time.perf_counter())
         request = next(self._requests)
-        message = encoded_message(submit_message(request, left, encoded, wants))
+        message = encoded_message(submit_message(request, deadline, encoded, wants))
         pending = RemotePending(link, request, self._loop.create_future())
         link.pending[request] = pending
         link.send(message)

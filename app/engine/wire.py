@@ -76,7 +76,10 @@ class Frames:
 
 class Submit(msgspec.Struct, array_like=True, tag=0):
     request: int
-    left: float  # seconds left of the request's time, when it was sent
+    # When the request's time is up, on time.perf_counter's clock: CLOCK_MONOTONIC on Linux,
+    # one clock for every process of the machine, so that the time a message waits for the
+    # engine to read it counts against the request.
+    deadline: float
     ids: list[list[int]]
     prompt_lengths: list[int]
     type_ids: list[list[int] | None] | None
@@ -148,12 +151,14 @@ reply_decoder: msgspec.msgpack.Decoder[Failed | Answers] = msgspec.msgpack.Decod
 encoder = msgspec.msgpack.Encoder()
 
 
-def submit_message(request: int, left: float, encoded: Sequence[Encoded], wants: Wants) -> Submit:
+def submit_message(
+    request: int, deadline: float, encoded: Sequence[Encoded], wants: Wants
+) -> Submit:
     attention = wants.attention
     has_types = any(e.type_ids for e in encoded)
     return Submit(
         request,
-        left,
+        deadline,
         [e.ids for e in encoded],
         [e.prompt_length for e in encoded],
         [e.type_ids for e in encoded] if has_types else None,

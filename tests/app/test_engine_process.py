@@ -3,11 +3,13 @@ read from a front end may hold, and a front end that goes away."""
 
 from __future__ import annotations
 
+import errno
 import selectors
 import socket
 import time
 from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -40,12 +42,12 @@ class RefusingBatcher:
     """Refuses every request, as a full queue does."""
 
     def __init__(self) -> None:
-        self.seen: list[Ticket] = []
+        self.seen: list[tuple[Ticket, float | None]] = []
 
     def submit_all(
         self, tickets: Sequence[tuple[Ticket, float | None]]
     ) -> list[ServiceError | None]:
-        self.seen.extend(ticket for ticket, _ in tickets)
+        self.seen.extend(tickets)
         return [OverloadedError("full", retry_after=1) for _ in tickets]
 
 
@@ -65,7 +67,7 @@ def engine() -> Iterator[tuple[EngineProcess, socket.socket, FrontEnd]]:
 
 
 def submit(request: int) -> Submit:
-    return submit_message(request, 10.0, [Encoded([2, 5, 3], False)], Wants())
+    return submit_message(request, time.perf_counter() + 10, [Encoded([2, 5, 3], False)], Wants())
 
 
 def sent(*messages: Submit | Abort) -> bytes:
@@ -86,7 +88,7 @@ def test_what_a_request_wants_crosses_the_wire_and_plain_kinds_are_built_once(
     wants: Wants,
 ) -> None:
     encoded = [Encoded([2, 5, 3], False)]
-    [raw] = Frames().feed(sent(submit_message(1, 10.0, encoded, wants)))
+    [raw] = Frames().feed(sent(submit_message(1, time.perf_counter() + 10, encoded, wants)))
     [message] = to_engine_decoder.decode(raw).messages
     assert isinstance(message, Submit)
     (inputs, first), (_, again) = submitted(message), submitted(message)
@@ -106,6 +108,23 @@ def test_a_refused_request_gets_its_429(
     assert isinstance(reply, Failed) and reply.request == 7
     assert reply.error_type == "Overloaded" and reply.retry_after == 1
     assert process.tickets == {}
+
+
+def test_the_time_a_message_waits_to_be_read_counts_against_its_request(
+    engine: tuple[EngineProcess, socket.socket, FrontEnd],
+) -> None:
+    """The engine reads its front ends between passes: a request sent with 0.2 s left and
+    read 0.3 s later has none left, not 0.2 s from the reading."""
+    process, ours, frontend = engine
+    deadline = time.perf_counter() + 0.2
+    ours.sendall(sent(submit_message(7, deadline, [Encoded([2, 5, 3], False)], Wants())))
+    time.sleep(0.3)  # a pass the engine was busy with
+    process._read(frontend)
+    batcher = process.model.batcher
+    assert isinstance(batcher, RefusingBatcher)
+    [(ticket, within)] = batcher.seen
+    assert ticket.deadline == deadline
+    assert within is not None and within < 0
 
 
 def test_a_request_aborted_in_the_same_read_is_refused_without_a_word(
@@ -130,6 +149,36 @@ def test_a_front_end_that_goes_away_abandons_its_requests(
     process._read(frontend)
     assert ticket.abandoned and process.tickets == {} and frontend.gone
     frontend.write(b"more")  # a late reply goes nowhere, and raises nothing
+
+
+class FailingSends:
+    """A socket whose every send fails as a full kernel buffer of another kind does."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def send(self, data: bytes) -> int:
+        raise OSError(errno.ENOBUFS, "No buffer space available")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+def test_a_reply_that_cannot_be_written_ends_the_connection_both_ways(
+    engine: tuple[EngineProcess, socket.socket, FrontEnd],
+) -> None:
+    """Not a front end left waiting for replies that will never come: it reads the
+    connection closed (and fails its requests), and so does the engine's own reading."""
+    process, ours, frontend = engine
+    ticket = Ticket([Encoded([2, 3], False)], Wants(), time.perf_counter(), None)
+    process.tickets[(frontend, 1)] = ticket
+    frontend.sock = FailingSends(frontend.sock)  # type: ignore[assignment]
+    frontend.write(b"a reply")
+    assert frontend.gone
+    ours.settimeout(5)  # a timeout, not a test that hangs, where the connection stays open
+    assert ours.recv(65536) == b""  # the front end's side: closed
+    process._read(frontend)
+    assert ticket.abandoned and process.tickets == {}
 
 
 def test_a_frame_that_is_no_message_stops_the_engine_rather_than_being_skipped(

@@ -175,10 +175,12 @@ async def test_what_one_turn_of_the_event_loop_sends_goes_as_one_message_in_orde
     link.connection_made(transport)
     encoded = [Encoded([2, 5, 3], False)]
     for request in (1, 2):
-        link.send(encoded_message(submit_message(request, 1.0, encoded, Wants())))
+        link.send(
+            encoded_message(submit_message(request, time.perf_counter() + 1, encoded, Wants()))
+        )
     link.send(encoded_message(Abort(1)))
     await asyncio.sleep(0)  # the turn ends
-    link.send(encoded_message(submit_message(3, 1.0, encoded, Wants())))
+    link.send(encoded_message(submit_message(3, time.perf_counter() + 1, encoded, Wants())))
     await asyncio.sleep(0)
     sent = [
         [(type(m).__name__, m.request) for m in to_engine_decoder.decode(raw).messages]
