@@ -7,7 +7,7 @@
      ├── SlowBodyError          408  the body did not arrive within body_timeout
      ├── PayloadTooLargeError   413  body over the payload limit, or too many inputs
      ├── UnknownModelError      404  the request names a model this server does not serve
-     ├── UnsupportedMediaError  415  body is not application/json
+     ├── UnsupportedMediaError  415  body is not application/json, or comes compressed
      ├── ValidationFailedError  422  a field is invalid (too long, bad dimensions, ...)
      ├── OverloadedError        429  the queue is full (with Retry-After)
      ├── WrongTaskError         424  the loaded model does not do what the route does
@@ -72,12 +72,9 @@ class UnknownModelError(ServiceError):
 
 
 class UnsupportedMediaError(ServiceError):
-    """The body is not JSON."""
+    """The body is not JSON, or comes in a Content-Encoding (compressed)."""
 
     status, error_type, openai_type = 415, "UnsupportedMediaType", "invalid_request_error"
-
-    def __init__(self, content_type: str) -> None:
-        super().__init__(f"expected Content-Type application/json, got {content_type!r}")
 
 
 def is_json(content_type: str) -> bool:
@@ -91,7 +88,16 @@ def is_json(content_type: str) -> bool:
 
 def require_json(content_type: str) -> None:
     if not is_json(content_type):
-        raise UnsupportedMediaError(content_type)
+        raise UnsupportedMediaError(f"expected Content-Type application/json, got {content_type!r}")
+
+
+def require_plain(content_encoding: str) -> None:
+    """A body as it is: no Content-Encoding (gzip, say) but `identity`, which the server
+    does not undo (RFC 9110 answers one it does not support with 415)."""
+    if content_encoding.strip().lower() not in ("", "identity"):
+        raise UnsupportedMediaError(
+            f"Content-Encoding {content_encoding!r} is not supported: send the body as it is"
+        )
 
 
 class ValidationFailedError(ServiceError):

@@ -30,6 +30,7 @@ from app.errors import (
     SlowBodyError,
     UnauthorizedError,
     UnknownModelError,
+    require_plain,
 )
 from app.handlers import render_error
 from app.metrics import Metrics
@@ -123,6 +124,7 @@ class ServiceMiddleware:
                 self._admit()
                 admitted = True
             if scope["method"] == "POST" and (path == "/" or path in self.post_routes):
+                require_plain(headers.get(b"content-encoding", b"").decode("latin-1"))
                 raw = await self._read_body(headers, receive)
                 post = (
                     main_route(self.post_routes, named or self.models.default, raw)

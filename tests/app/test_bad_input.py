@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -51,6 +52,17 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
         "POST",
         "/embed",
         {"content": b'{"inputs": "a"}', "headers": {"content-type": "text/plain"}},
+        415,
+        "UnsupportedMediaType",
+    ),
+    (
+        "compressed body",
+        "POST",
+        "/embed",
+        {
+            "content": gzip.compress(b'{"inputs": "a"}'),
+            "headers": {"content-type": "application/json", "content-encoding": "gzip"},
+        },
         415,
         "UnsupportedMediaType",
     ),
@@ -475,3 +487,11 @@ async def test_decode_keeps_the_request_limits(tiny_checkpoint: Path) -> None:
     assert tokens.status_code == 413 and "601 token ids" in tokens.json()["error"]
     assert long.status_code == 200 and short.status_code == 200
     assert long.json()[0].split() == short.json()[0].split() * 600
+
+
+async def test_a_body_sent_as_it_is_may_say_so(tiny_checkpoint: Path) -> None:
+    """`Content-Encoding: identity` is no encoding: served, where gzip is a 415."""
+    headers = {"content-type": "application/json", "content-encoding": "identity"}
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        response = await client.post("/embed", content=b'{"inputs": "a"}', headers=headers)
+    assert response.status_code == 200
