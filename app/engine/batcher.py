@@ -486,7 +486,12 @@ class Batcher:
         return batch
 
     def _execute(self, batch: list[WorkItem]) -> None:
-        """Run a batch and answer it (a retry's: its tokens were released already)."""
+        """Run a retry's batch and answer it (its tokens still count as the failed pass's),
+        without the inputs nobody waits for any more, as the queue drops them."""
+        now = time.perf_counter()
+        batch = [item for item in batch if not item.ticket.expired(now)]
+        if not batch:
+            return
         if (launched := self._launch(batch, self._pass_of(batch), release=False)) is not None:
             self._complete(launched)
 
@@ -536,8 +541,9 @@ class Batcher:
         *args: P.args,
         **kwargs: P.kwargs,
     ) -> T | None:
-        """A step of a batch's pass; if it fails, its tokens released and the batch retried
-        (the OOM split, or each request alone) or failed, and None."""
+        """A step of a batch's pass; if it fails, the batch retried (the OOM split, or each
+        request alone) or failed, its tokens released once that is done (until then the
+        engine is busy with them), and None."""
         # The retry runs outside the `except` blocks, whose traceback holds the failed pass's
         # tensors (the memory an OOM retry needs).
         retry: Callable[[list[WorkItem]], None]
@@ -548,8 +554,10 @@ class Batcher:
         except Exception:
             log.exception("forward pass failed for a batch of %d inputs", len(batch))
             retry = self._rerun_each_request
-        self._release(tokens)
-        retry(batch)
+        try:
+            retry(batch)
+        finally:
+            self._release(tokens)
         return None
 
     def _release(self, tokens: int) -> None:
@@ -589,8 +597,7 @@ class Batcher:
             self._fail(set(requests), "the model failed on this request's inputs")
             return
         for ticket in requests:
-            if not ticket.abandoned:
-                self._execute([item for item in batch if item.ticket is ticket])
+            self._execute([item for item in batch if item.ticket is ticket])
 
     def _split_after_oom(self, batch: list[WorkItem]) -> None:
         """Out of memory: retry in halves, down to one input, which alone then fails."""
@@ -662,7 +669,8 @@ class Batcher:
         return results
 
     def _fail(self, tickets: set[Ticket], message: str) -> None:
-        """Each request gets an error of its own (never one shared exception object)."""
+        """Each request gets an error of its own (never one shared exception object), once."""
+        tickets = {ticket for ticket in tickets if ticket.remaining != -1}
         deliveries: list[Delivery] = [(t, BackendError(message)) for t in tickets]
         for ticket in tickets:
             ticket.remaining = -1  # its other inputs, if still queued, are skipped

@@ -10,17 +10,18 @@ import queue
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from app.cores import CoreLease, CorePool
-from app.engine.batcher import Batcher, Ticket, WorkItem
+from app.engine.batcher import Batcher, Delivery, Ticket, WorkItem
 from app.engine.compute import ComputeThread
 from app.engine.local import deliver_on
 from app.engine.protocol import Outcome, Wants
-from app.errors import ClientDisconnectedError, OverloadedError
+from app.errors import BackendError, ClientDisconnectedError, OverloadedError
 from app.metrics import GAUGE_INTERVAL, Metrics
 from app.params import EncodeOptions
 from model import AttentionSpec, Embedder, Encoded
@@ -589,3 +590,31 @@ def test_each_pass_runs_on_as_many_torch_threads_as_its_cores(
         assert [passes_on(batcher, threads) for threads in (2, 1)] == [1, 1]
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_out_of_memory_split_keeps_the_engine_busy_and_fails_a_request_once(
+    tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the halves of a batch that ran out of memory run, its tokens still count (the
+    engine is not idle, so admission and the engines' balance see the work); a request
+    whose input fails alone gets one error, and its inputs still in other halves do not run."""
+    answered: list[Delivery] = []
+    batcher = make_batcher(tiny_embedder, max_batch_inputs=8)
+    batcher.deliver = answered.extend
+    passes: list[tuple[int, bool]] = []
+
+    def out_of_memory(arguments: dict[str, Any]) -> None:
+        passes.append((len(arguments["batch"]), batcher.idle))
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(batcher, "_forward", out_of_memory)
+    ticket = make_ticket(3, 4, 5, 6)
+    batcher.submit(ticket)
+    batch = batcher._next_batch(wait=False)
+    assert batch is not None and len(batch) == 4
+    assert batcher._launch(batch, batcher._pass_of(batch), release=True) is None
+    # The four, the first half, its first input alone (which fails the request); nothing
+    # more of a request that has failed.
+    assert passes == [(4, False), (2, False), (1, False)]
+    assert [(t, type(e)) for t, e in answered] == [(ticket, BackendError)]
+    assert batcher.idle
