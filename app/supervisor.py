@@ -20,6 +20,7 @@ all. Engines on one CPU hold their weights once, in a file made here
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -57,14 +58,18 @@ _PR_SET_PDEATHSIG = 1  # from linux/prctl.h
 _PR_SET_NAME = 15
 
 
-def bind(settings: Settings, *, listen: bool, share: bool = True) -> socket.socket:
+def bind(
+    settings: Settings, *, listen: bool, share: bool = True, reuse_address: bool = True
+) -> socket.socket:
     """A socket on the port; shared (SO_REUSEPORT), each front end listens on one of its
     own, and the kernel spreads new connections over them one by one, by a hash of the
     addresses. (On one shared socket, whichever front end's loop woke first took a whole
-    burst of connections.)"""
+    burst of connections.) SO_REUSEADDR unless told otherwise: a server started again binds
+    while its last run's connections linger (TIME_WAIT)."""
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_address:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if share:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
@@ -80,9 +85,11 @@ def bind(settings: Settings, *, listen: bool, share: bool = True) -> socket.sock
 def reserve(settings: Settings) -> socket.socket:
     """The port, checked and held for the front ends. Bound unshared first: SO_REUSEPORT
     alone would let this server join another one of the same user on the port, unnoticed.
-    Then held shared and never listening, so that the kernel sends it no connection."""
+    Then held shared and never listening, so that the kernel sends it no connection, and
+    without SO_REUSEADDR: two sockets with it, neither listening, may share a port, so
+    another server's check would pass while this one's engines load."""
     bind(settings, listen=False, share=False).close()
-    return bind(settings, listen=False)
+    return bind(settings, listen=False, reuse_address=False)
 
 
 @dataclass(frozen=True)
@@ -175,12 +182,15 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def _forward(self, sig: int, frame: FrameType | None) -> None:
-        """A stop signal: the front ends drain (the engines once they are gone; before
-        there are front ends, the engines stop at once, with SIGTERM)."""
+        """A stop signal (SIGTERM, or SIGINT): the front ends drain (the engines once they
+        are gone; before there are front ends, the engines stop at once). Passed on as
+        SIGTERM, which a child still starting dies of quietly, where SIGINT would raise
+        KeyboardInterrupt in whatever it imports and exit 1."""
         self.stopping.set()
         for process in self.frontends or self.engines:
             if process.pid is not None and process.exitcode is None:
-                os.kill(process.pid, sig if self.frontends else signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):  # exited, not yet reaped
+                    os.kill(process.pid, signal.SIGTERM)
 
     def _start_engines(self) -> list[ModelCard] | None:
         """Every model's engines loaded and warmed up: each model's card (the same from
@@ -205,7 +215,8 @@ class Supervisor:
             wait_for_any([link, process.sentinel])
             try:
                 kind, value = link.recv()
-            except EOFError:
+            except EOFError:  # it died without a word (the OOM killer, say)
+                process.join()
                 kind, value = "error", f"the engine process exited with {process.exitcode}"
             if self.stopping.is_set():  # stopped while it loaded, as asked
                 return None
@@ -215,7 +226,9 @@ class Supervisor:
                 log.error(
                     "model %s: engine %d (%s) failed to start: %s", name, index, process.name, value
                 )
-                self.code = 1
+                # Its own exit code where a signal killed it (128 + N), as after start-up.
+                killed = process.exitcode
+                self.code = _shell_code(killed) if killed is not None and killed < 0 else 1
                 return None
             if number % self.shared.engines == 0:
                 cards.append(value)
@@ -293,7 +306,9 @@ def resolve_devices_in_child(devices: list[str]) -> list[str]:
     child process (which has this process's import path) so that the supervisor itself never
     imports torch; a device that cannot work raises the child's ConfigError as it was
     raised."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    spawn = multiprocessing.get_context("spawn")
+    # It dies with the supervisor, which a stop signal may end before its handlers are set.
+    with ProcessPoolExecutor(1, mp_context=spawn, initializer=_prctl, initargs=(None,)) as pool:
         try:
             return pool.submit(_resolve_devices, devices).result()
         except BrokenProcessPool as exc:
@@ -314,16 +329,27 @@ def _child(settings: Settings, name: str, run_dir: Path) -> None:
     skip its drain); it dies with the supervisor; `name` is its name in ps and top; it holds
     the run folder while it lives (app/run_folder.py)."""
     os.setpgrp()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        libc.prctl(_PR_SET_NAME, name.encode())
-    except (OSError, AttributeError):  # not Linux: children outlive a killed supervisor
-        log.debug("prctl is not available")
+    _prctl(name)
     hold(run_dir)
     limit_arenas()
     configure_logging(settings.log_level, settings.log_format)
     log.info("%s started (pid %d)", name, os.getpid())
+
+
+def _prctl(name: str | None) -> None:
+    """This child gets SIGTERM when the supervisor dies (at once where it died before this
+    could be asked for), and `name` in ps and top."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if name is not None:
+            libc.prctl(_PR_SET_NAME, name.encode())
+    except (OSError, AttributeError):  # not Linux: children outlive a killed supervisor
+        log.debug("prctl is not available")
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_engine(

@@ -25,11 +25,17 @@ T = TypeVar("T")
 Job = tuple[Callable[[], object], "Future[object]"]
 
 
+class ComputeThreadClosedError(RuntimeError):
+    """Work submitted after `close`: nothing will run it."""
+
+
 class ComputeThread:
     """A daemon thread that runs submitted calls one after another, in order."""
 
     def __init__(self, threads: int | None = None) -> None:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._closing = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name="embed-compute", daemon=True)
         self._thread.start()
         if threads is not None:
@@ -37,13 +43,21 @@ class ComputeThread:
             self.submit(torch.set_num_threads, threads)
 
     def submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        """The call's future; failed at once once the thread is closed (a model still loading
+        when the server stops would otherwise wait for it for ever)."""
         future: Future[T] = Future()
-        self._jobs.put((partial(fn, *args, **kwargs), future))  # type: ignore[arg-type]
+        with self._closing:
+            if self._closed:
+                future.set_exception(ComputeThreadClosedError("the server is stopping"))
+            else:
+                self._jobs.put((partial(fn, *args, **kwargs), future))  # type: ignore[arg-type]
         return future
 
     def close(self) -> None:
-        """The thread ends after the jobs already submitted."""
-        self._jobs.put(None)
+        """The thread ends after the jobs already submitted; later ones fail."""
+        with self._closing:
+            self._closed = True
+            self._jobs.put(None)
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:

@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from app.engine.compute import ComputeThread
+from app.engine.compute import ComputeThread, ComputeThreadClosedError
+from app.engine.model_engine import ModelEngine
+from app.metrics import Metrics
 from model import Embedder
 from tests.app.conftest import make_settings, running_app
 
@@ -66,3 +68,43 @@ async def test_the_service_loads_and_runs_the_model_on_one_thread(
     assert len(threads["load"]) == 1
     assert threads["forward"] == threads["load"]  # warm-up and requests alike
     assert threading.get_ident() not in threads["load"]
+
+
+def test_work_submitted_after_close_fails_instead_of_waiting_for_ever(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server stopped while its model loads (SIGTERM then, or a port already taken, which
+    makes uvicorn stop at once) closes the compute thread under the load: the load's next
+    step fails, and the process can exit."""
+    compute = ComputeThread()
+    compute.close()
+    with pytest.raises(ComputeThreadClosedError):
+        compute.submit(lambda: 1).result(timeout=10)
+
+    loading, stopped = threading.Event(), threading.Event()
+    original_load = Embedder.load
+
+    def slow_load(*args: Any, **kwargs: Any) -> Embedder:
+        loading.set()
+        stopped.wait(10)
+        return original_load(*args, **kwargs)
+
+    monkeypatch.setattr(Embedder, "load", slow_load)
+    settings = make_settings(tiny_checkpoint)
+    engine = ModelEngine(settings, settings.models()[0], Metrics().of("tiny"), "cpu")
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            engine.load(lambda deliveries: None)
+        except BaseException as exc:
+            failed.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    assert loading.wait(10)
+    engine.stop()  # while the model loads
+    stopped.set()
+    loader.join(timeout=30)
+    assert not loader.is_alive()
+    assert len(failed) == 1 and isinstance(failed[0], ComputeThreadClosedError)

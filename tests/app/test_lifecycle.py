@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
+import signal
+import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from app.__main__ import load_settings
 from app.main import create_app
 from app.settings import Settings
+from app.supervisor import Supervisor, bind, reserve
 from tests.app.conftest import GatedForward, make_settings, running_app, service_of
 
 pytestmark = pytest.mark.anyio
@@ -164,3 +170,44 @@ def test_auto_without_a_gpu_driver_is_the_cpu_without_a_child(
     (tmp_path / "nvidiactl").touch()  # a driver's file: only torch can say whether CUDA works
     assert entry.placed(Settings(devices=["auto"])).devices == ["cuda"]
     assert asked == [["auto"]]
+
+
+def test_a_port_held_for_a_server_s_front_ends_is_refused_to_another_server() -> None:
+    """While a split server's engines load, its port is held by a socket that never listens:
+    another server's check must fail on it (two sockets with SO_REUSEADDR, neither
+    listening, may share a port), and the server's own front ends must still bind."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = Settings(model_id="m", host="127.0.0.1", port=port)
+    held = reserve(settings)
+    try:
+        with pytest.raises(OSError):
+            reserve(settings).close()
+        bind(settings, listen=True).close()  # a front end of the server holding it
+    finally:
+        held.close()
+    reserve(settings).close()  # free again
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_reaches_the_children_as_sigterm(
+    sig: signal.Signals, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGINT (Ctrl-C) too: a front end still starting dies of SIGTERM quietly, counted as
+    stopped while it started, where SIGINT raised KeyboardInterrupt in its imports (exit 1).
+    One that has exited but is not yet reaped is passed over."""
+    sent: list[tuple[int, int]] = []
+
+    def kill(pid: int, signal_number: int) -> None:
+        if pid == 3:
+            raise ProcessLookupError
+        sent.append((pid, signal_number))
+
+    monkeypatch.setattr(os, "kill", kill)
+    supervisor = Supervisor(Settings(model_id="m"), multiprocessing.get_context("spawn"), None)  # type: ignore[arg-type]
+    children = [SimpleNamespace(pid=pid, exitcode=None) for pid in (2, 3, 4)]
+    supervisor.frontends = children  # type: ignore[assignment]
+    supervisor._forward(sig, None)
+    assert supervisor.stopping.is_set()
+    assert sent == [(2, signal.SIGTERM), (4, signal.SIGTERM)]

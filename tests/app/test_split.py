@@ -357,6 +357,35 @@ def test_an_engine_that_cannot_load_stops_the_start(tmp_path: Path) -> None:
     assert f"model {broken}: engine 0 (engine-0) failed to start" in started.stderr
 
 
+def test_an_engine_killed_while_it_loads_gives_its_exit_code(
+    tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    """Killed before it could say why (the OOM killer while it loads), an engine's death is
+    the supervisor's exit code, 128 + the signal, as after start-up."""
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [
+            sys.executable, "-m", "app", "--model-id", str(tiny_checkpoint),
+            "--placement", "split", "--host", "127.0.0.1", "--port", str(free_port()),
+        ],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (engines := children_of(server.pid, "embed-engine")):
+            assert time.monotonic() < deadline and server.poll() is None
+            time.sleep(0.01)
+        os.kill(engines[0], signal.SIGKILL)  # still importing torch: seconds from ready
+        assert server.wait(timeout=60) == 128 + signal.SIGKILL
+    finally:
+        server.kill()
+        log.close()
+    assert (
+        "failed to start: the engine process exited with -9"
+        in (tmp_path / "server.log").read_text()
+    )
+
+
 def test_a_port_in_use_stops_the_start_with_a_message(
     split: ServerProcess, tiny_checkpoint: Path
 ) -> None:
@@ -424,3 +453,46 @@ def test_keep_alive_clients_end_up_spread_over_the_front_ends(split: ServerProce
     assert sum(held) == 6 and max(held) - min(held) <= 2, held
     text = httpx.get(f"{split.url}/metrics").text
     assert f"embed_connections_rebalanced_total {float(closes)}" in text
+
+
+def test_the_device_check_dies_with_a_supervisor_stopped_meanwhile() -> None:
+    """A stop signal before the supervisor's handlers are set ends it at once: the spawned
+    process that checks the devices (torch, perhaps a CUDA context) goes with it."""
+    supervisor = subprocess.Popen(
+        [
+            sys.executable, "-c",
+            "from app.supervisor import resolve_devices_in_child as check; "
+            "import time; check(['cpu']); time.sleep(60)",
+        ],
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        # Two: multiprocessing's resource tracker, then the checking process.
+        while len(checking := descendants(supervisor.pid)) < 2:
+            assert time.monotonic() < deadline and supervisor.poll() is None
+            time.sleep(0.01)
+        supervisor.kill()
+        supervisor.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in checking) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in checking)
+    finally:
+        supervisor.kill()
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root`, by their parent links in /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):  # exited meanwhile
+            continue
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found
