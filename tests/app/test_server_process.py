@@ -165,3 +165,35 @@ def test_a_model_that_cannot_load_stops_the_process(tmp_path: Path) -> None:
             server.process.kill()
     assert code == 1
     assert "model.safetensors: corrupt or truncated" in server.log.read_text()
+
+
+def test_a_port_in_use_stops_the_process(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    """uvicorn stops at once where it cannot bind, with the model still loading in the
+    background: the process exits (it waited for ever on the load before)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = subprocess.run(
+            [
+                sys.executable, "-m", "app", "--model-id", str(tiny_checkpoint),
+                "--placement", "in-process", "--host", "127.0.0.1", "--port", str(port),
+            ],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert started.returncode != 0
+    assert "address already in use" in started.stderr
+
+
+def test_sigterm_while_the_model_loads_exits_0(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    server = ServerProcess(tmp_path, "--model-id", str(tiny_checkpoint))
+    try:
+        deadline = time.monotonic() + 60
+        while "Application startup complete" not in server.log.read_text():
+            assert time.monotonic() < deadline and server.process.poll() is None
+            time.sleep(0.01)
+        server.process.send_signal(signal.SIGTERM)  # the model loads in the background
+        code = server.process.wait(timeout=60)
+    finally:
+        server.process.kill()
+    assert code == 0
