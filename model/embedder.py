@@ -190,6 +190,18 @@ class Embedder:
         """Run one batch (right-padded here); every input gets its row of `pooled`."""
         return self.launch(batch, token_embeddings=token_embeddings, attention=attention).result()
 
+    def device_works(self) -> bool:
+        """Whether the device still runs work. Some CUDA errors (an illegal memory access,
+        a device-side assert) leave every later call failing, where only a new process
+        helps; a CPU always does."""
+        if self.device.type != "cuda":
+            return True
+        try:
+            torch.ones(1, device=self.device).add_(1).item()  # waits for the device
+        except Exception:  # torch.AcceleratorError, or whatever a broken context raises
+            return False
+        return True
+
     def launch(
         self,
         batch: Sequence[ModelInput],

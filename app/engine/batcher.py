@@ -142,6 +142,11 @@ def _requests_in(items: Sequence[WorkItem]) -> int:
     return len({id(item.ticket) for item in items})
 
 
+class DeviceLostError(RuntimeError):
+    """A pass failed and the device runs nothing any more: the worker stops, for liveness
+    to say so, rather than fail every request one by one while it reads as healthy."""
+
+
 class Batcher:
     def __init__(
         self,
@@ -551,8 +556,10 @@ class Batcher:
             return step(*args, **kwargs)
         except (torch.OutOfMemoryError, MemoryError):
             retry = self._split_after_oom
-        except Exception:
+        except Exception as exc:
             log.exception("forward pass failed for a batch of %d inputs", len(batch))
+            if not self.embedder.device_works():
+                raise DeviceLostError("the device runs nothing since this failure") from exc
             retry = self._rerun_each_request
         try:
             retry(batch)

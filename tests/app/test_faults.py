@@ -125,6 +125,41 @@ async def test_a_dead_worker_fails_liveness_and_what_waits(
     assert "the batch worker stopped" in caplog.text
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("device_works", [True, False])
+async def test_a_pass_that_breaks_the_device_stops_the_worker(
+    tiny_checkpoint: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    device_works: bool,
+) -> None:
+    """After a failed pass the engine asks whether the device still runs work: a CUDA error
+    such as an illegal memory access leaves every later call failing, and then liveness says
+    so (a restart helps) instead of each request failing while the server reads as healthy.
+    Where the device works, only the failing request gets its 500, as before."""
+    async with running_app(make_settings(tiny_checkpoint)) as (app, client):
+        service = service_of(app)
+        engine = local_engine(service).model
+        assert engine.batcher is not None and engine.embedder is not None
+        gate = GatedForward(service)
+        gate.gate.set()
+        gate.error = lambda: torch.AcceleratorError("injected: CUDA error: illegal memory access")
+        gate.fail_when = lambda batch: any(FOX in ids for ids in batch)
+        monkeypatch.setattr(engine.embedder, "device_works", lambda: device_works)
+        with caplog.at_level(logging.CRITICAL, logger="app.engine.batcher"):
+            failed = await client.post("/embed", json={"inputs": "fox"})
+            if not device_works:
+                await wait_until(lambda: not engine.batcher.alive)
+        live = await client.get("/live")
+        after = await client.post("/embed", json={"inputs": "hello"})
+    assert failed.status_code == 500
+    if device_works:
+        assert live.status_code == 200 and after.status_code == 200
+    else:
+        assert live.status_code == 503 and after.status_code == 503
+        assert "the device runs nothing since this failure" in caplog.text
+
+
 async def test_out_of_memory_splits_the_batch_down_to_the_culprit(tiny_checkpoint: Path) -> None:
     async with running_app(make_settings(tiny_checkpoint)) as (app, client):
         gate = GatedForward(service_of(app))
