@@ -140,7 +140,8 @@ async def test_a_pass_that_breaks_the_device_stops_the_worker(
     async with running_app(make_settings(tiny_checkpoint)) as (app, client):
         service = service_of(app)
         engine = local_engine(service).model
-        assert engine.batcher is not None and engine.embedder is not None
+        batcher = engine.batcher
+        assert batcher is not None and engine.embedder is not None
         gate = GatedForward(service)
         gate.gate.set()
         gate.error = lambda: torch.AcceleratorError("injected: CUDA error: illegal memory access")
@@ -149,7 +150,7 @@ async def test_a_pass_that_breaks_the_device_stops_the_worker(
         with caplog.at_level(logging.CRITICAL, logger="app.engine.batcher"):
             failed = await client.post("/embed", json={"inputs": "fox"})
             if not device_works:
-                await wait_until(lambda: not engine.batcher.alive)
+                await wait_until(lambda: not batcher.alive)
         live = await client.get("/live")
         after = await client.post("/embed", json={"inputs": "hello"})
     assert failed.status_code == 500
