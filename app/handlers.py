@@ -28,9 +28,12 @@ def error_body(path: str, error: ServiceError, request_id: str | None = None) ->
 
 
 def speaks_openai(path: str) -> bool:
-    """An OpenAI route, for any model: /v1/..., or /models/{name}/v1/... also where no model
-    has that name (a name may hold slashes, so the route is found by its /v1/)."""
-    return path.startswith("/v1/") or (path.startswith("/models/") and "/v1/" in path)
+    """An OpenAI route, for any model: /v1/... or /embeddings (TEI's alias of
+    /v1/embeddings), also under /models/{name}/ where no model has that name (a name may hold
+    slashes, so the route is found by how the path goes on)."""
+    if path.startswith("/v1/") or path == "/embeddings":
+        return True
+    return path.startswith("/models/") and ("/v1/" in path or path.endswith("/embeddings"))
 
 
 def render_error(

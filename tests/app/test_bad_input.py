@@ -223,6 +223,7 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
         "malformed",
     ),
     ("openai too many", "POST", "/v1/embeddings", js({"input": ["a"] * 9}), 413, "payloadtoolarge"),
+    ("openai alias, empty input", "POST", "/embeddings", js({"input": ""}), 400, "empty"),
 ]
 
 
@@ -238,7 +239,7 @@ async def test_bad_input_gets_its_status_and_shape(
             response = await client.request(method, path, **kwargs)
             assert response.status_code == status, (name, response.text)
             body = response.json()
-            if path.startswith("/v1/"):
+            if path.startswith("/v1/") or path == "/embeddings":
                 assert set(body) == {"error"}, name
                 assert set(body["error"]) == {"message", "type", "param", "code"}, name
                 assert body["error"]["code"] == error_type, name
