@@ -53,7 +53,10 @@ class Metrics:
         self.tally = Tally()
         r = self.registry
         self.requests = Counter(
-            "embed_requests", "HTTP requests by route and status.", ["route", "status"], registry=r
+            "embed_requests",
+            "HTTP requests and gRPC calls by route (or method) and status.",
+            ["route", "status"],
+            registry=r,
         )
         self.failures = Counter(
             "embed_failures", "Failed requests by reason (error type).", ["reason"], registry=r
@@ -133,7 +136,9 @@ class Metrics:
             "queued on a GPU behind the pass before it, that pass's end.",
             per_model,
         )
-        self.request_seconds = self._duration("request", "One HTTP request, end to end.")
+        self.request_seconds = self._duration(
+            "request", "One HTTP request or gRPC call, end to end."
+        )
         self.input_tokens = Histogram(
             "embed_input_tokens", "Tokens per input.", per_model, buckets=TOKEN_BUCKETS, registry=r
         )

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Container, Mapping
+from collections.abc import Collection, Container, Mapping
 
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -47,7 +47,7 @@ class ServiceMiddleware:
         metrics: Metrics,
         payload_limit: int,
         body_timeout: float,
-        routes: Container[str],
+        routes: Collection[str],
         protected: Container[tuple[str, str]],
         api_key: str | None,
         max_concurrent: int,
@@ -61,6 +61,8 @@ class ServiceMiddleware:
         self.payload_limit = payload_limit
         self.body_timeout = body_timeout
         self.routes = routes
+        # A templated route's own label (/static/{name}), by the path's start before it.
+        self.templates = {route.partition("{")[0]: route for route in routes if "{" in route}
         self.protected = protected
         self.api_key = api_key.encode() if api_key else None
         # Requests in progress, and the paths that never count: probes must answer whatever
@@ -118,7 +120,7 @@ class ServiceMiddleware:
             except UnknownModelError:
                 self._require_key(headers)
                 raise
-            route = path if path in self.routes else "other"
+            route = path if path in self.routes else self._templated(path)
             self._check_key(scope["method"], path, headers)  # a wrong key is a 401, busy or not
             if path not in self.unlimited:
                 self._admit()
@@ -161,6 +163,14 @@ class ServiceMiddleware:
                     self.metrics.request_seconds, time.perf_counter() - started
                 )
             self.metrics.tally.end()
+
+    def _templated(self, path: str) -> str:
+        """The templated route a path is one of (one path segment in place of its
+        parameter), else `other`: a label for every path would grow without bound."""
+        for start, template in self.templates.items():
+            if path.startswith(start) and "/" not in path[len(start) :]:
+                return template
+        return "other"
 
     def _count(self, route: str, status: int) -> None:
         counter = self._counters.get((route, status))

@@ -348,11 +348,13 @@ class EmbeddingService:
                         replace(options, truncate=True),
                         details=False,  # each piece's vector is all its chunk gives
                         deadline=deadline,
+                        record=False,
                     )
                     tokenization += seconds
             else:
                 encoded, late = late_inputs(plans, info.max_input_tokens)
                 wants = replace(wants, late=late)
+            self.tokenization.record(tokenization)
             tokens = self.limits.check_tokens(encoded, options, None, info)
             items: list[ItemResult] = []
             queued = inference = 0.0

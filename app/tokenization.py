@@ -84,11 +84,13 @@ class Tokenization:
         add_special_tokens: bool = True,
         details: bool = True,
         deadline: float | None = None,
+        record: bool = True,
     ) -> tuple[list[Encoded], float]:
         """Every input encoded, in order; also the seconds it took. TimeoutError past
         `deadline` (perf_counter) while waiting for the pool (whose threads still finish the
         work: they cannot be stopped). Without `details`, texts keep only what the model
-        runs on (model/tokenizer.py's `TextTokenizer.encode`)."""
+        runs on (model/tokenizer.py's `TextTokenizer.encode`). `record`: the seconds go in
+        the metrics as one request's tokenizing (else the caller records them, `record`)."""
         truncate = self.auto_truncate if options.truncate is None else options.truncate
 
         def encode_singles(items: Sequence[RawInput]) -> list[Encoded]:
@@ -121,7 +123,8 @@ class Tokenization:
             encoded.update(zip(pairs, done, strict=True))
             return [encoded[i] for i in range(len(inputs))]
 
-        return await self._timed(encode, sum(characters(item) for item in inputs), deadline)
+        chars = sum(characters(item) for item in inputs)
+        return await self._timed(encode, chars, deadline, record)
 
     async def whole(
         self,
@@ -132,12 +135,13 @@ class Tokenization:
         then: Callable[[list[Encoded]], Done],
     ) -> tuple[Done, float]:
         """Each text's every token, never truncated (documents to be cut into chunks), and
-        what `then` makes of them, in the same hop off the event loop."""
+        what `then` makes of them, in the same hop off the event loop; the caller records the
+        seconds (chunking tokenizes twice per request)."""
 
         def encode() -> Done:
             return then([codec.tokenize_whole(text, prompt_name) for text in texts])
 
-        return await self._timed(encode, sum(map(len, texts)), deadline)
+        return await self._timed(encode, sum(map(len, texts)), deadline, record=False)
 
     async def decode(
         self, codec: TextCodec, ids: Sequence[Sequence[int]], skip_special_tokens: bool
@@ -151,8 +155,12 @@ class Tokenization:
             return decode()
         return await asyncio.get_running_loop().run_in_executor(self._pool, decode)
 
+    def record(self, seconds: float) -> None:
+        """One request's tokenizing, in the metrics."""
+        self.metrics.tally.observe(self.metrics.tokenization_seconds, seconds)
+
     async def _timed(
-        self, encode: Callable[[], Done], chars: int, deadline: float | None
+        self, encode: Callable[[], Done], chars: int, deadline: float | None, record: bool
     ) -> tuple[Done, float]:
         started = time.perf_counter()
         try:
@@ -169,5 +177,6 @@ class Tokenization:
         except InputError as exc:
             raise ValidationFailedError(str(exc), param="input") from exc
         seconds = time.perf_counter() - started
-        self.metrics.tally.observe(self.metrics.tokenization_seconds, seconds)
+        if record:
+            self.record(seconds)
         return encoded, seconds

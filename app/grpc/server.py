@@ -198,7 +198,7 @@ class GrpcServer:
                     raise request.error()
                 return await answer(request)
 
-            await self._check(context)
+            await self._check(context, path)
             try:
                 reply = await self._run(path, run, wait=False)
             except ServiceError as error:
@@ -215,13 +215,23 @@ class GrpcServer:
         self, path: str, answer: Callable[[AsyncIterator[Any]], Awaitable[Reply[Any]]]
     ) -> Callable[..., Any]:
         async def collect(requests: AsyncIterator[Any], context: Context) -> Any:
+            await self._check(context, path)
+            # Read before a slot is taken, as an HTTP body is read before its route runs: the
+            # client may take its time. One message past the inputs' limit is enough for the
+            # answer's 413.
+            limit = self.servicer.service().settings.max_inputs_per_request
+            received: list[Any] = []
+            async for request in requests:
+                received.append(request)
+                if isinstance(request, Malformed) or len(received) > limit:
+                    break
+
             async def checked() -> AsyncIterator[Any]:
-                async for request in requests:
+                for request in received:
                     if isinstance(request, Malformed):
                         raise request.error()
                     yield request
 
-            await self._check(context)
             try:
                 reply = await self._run(path, lambda: answer(checked()), wait=False)
             except ServiceError as error:
@@ -232,7 +242,7 @@ class GrpcServer:
 
     def _stream(self, path: str, answer: Answer) -> Callable[..., Any]:
         async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            await self._check(context)
+            await self._check(context, path)
             # Each message's task, in arrival order, then END (or CLOSING, from a drain).
             queue: asyncio.Queue[Any] = asyncio.Queue()
             window = asyncio.Semaphore(STREAM_WINDOW)
@@ -312,8 +322,9 @@ class GrpcServer:
                 )
             self.metrics.tally.end()
 
-    async def _check(self, context: Context) -> None:
-        """The API key, as the HTTP routes take it: `authorization: Bearer <key>`."""
+    async def _check(self, context: Context, path: str) -> None:
+        """The API key, as the HTTP routes take it: `authorization: Bearer <key>`; a call
+        refused is counted as the HTTP routes count theirs."""
         if self.api_key is None:
             return
         header = next(
@@ -327,6 +338,7 @@ class GrpcServer:
                 "missing or wrong API key (send metadata 'authorization: Bearer <key>')"
             )
             self.metrics.failures.labels(error.error_type).inc()
+            self._count(path, error.status)
             await self._abort(context, error)
 
     @staticmethod

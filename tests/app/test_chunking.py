@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -368,3 +369,16 @@ async def test_late_chunking_refuses_a_model_that_pools_one_token(tmp_path: Path
         )
     assert late.status_code == 422 and "pools by cls" in late.json()["error"]
     assert alone.status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["independent", "late"])
+async def test_a_chunked_request_is_one_tokenizing_in_the_metrics(
+    tiny_checkpoint: Path, mode: str
+) -> None:
+    """Independent chunks tokenize twice (the whole text, then each chunk's piece): one
+    observation of their sum, as the help says "tokenizing one request"."""
+    body = {"inputs": " ".join(["hello world"] * 40), "chunking": {"size": 16, "mode": mode}}
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        assert (await client.post("/embed_chunks", json=body)).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert re.search(r"^embed_tokenization_duration_seconds_count\{[^}]*\} 1.0$", metrics, re.M)

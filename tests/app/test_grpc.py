@@ -408,6 +408,9 @@ async def test_a_full_server_and_a_missing_key(tiny_checkpoint: Path) -> None:
         ] == Code.UNAUTHENTICATED
         info = stub("Info", served.channel).Info
         assert (await status_of(info(pb.InfoRequest())))[0] == Code.UNAUTHENTICATED
+        # Counted as requests, as the HTTP routes count a 401.
+        counted = (await served.http.get("/metrics")).text
+        assert 'embed_requests_total{route="/tei.v1.Embed/Embed",status="401"} 2.0' in counted
         assert (await info(pb.InfoRequest(), metadata=key)).model_id
 
         gate = GatedForward(service_of(served.app))
@@ -638,3 +641,23 @@ def test_many_channels_then_a_clean_drain(grpc_server: GrpcProcess) -> None:
     assert "Traceback" not in log
     # Every front end listened on the one port.
     assert log.count(f"gRPC (tei.v1) on {grpc_server.target}") == grpc_server.frontends
+
+
+async def test_a_stream_still_sending_holds_no_slot(reranker: Path) -> None:
+    """A RerankStream is read before it takes one of the calls in progress: with one allowed,
+    a client still sending its pairs leaves room for another call."""
+    async with serving(reranker, max_concurrent_requests=1) as served:
+        rerank = stub("Rerank", served.channel)
+        sending: asyncio.Queue[pb.RerankStreamRequest | None] = asyncio.Queue()
+
+        async def pairs() -> AsyncIterator[pb.RerankStreamRequest]:
+            while (message := await sending.get()) is not None:
+                yield message
+
+        streamed = rerank.RerankStream(pairs())
+        await sending.put(pb.RerankStreamRequest(query=QUERY, text=TEXTS[0]))
+        await asyncio.sleep(0.2)  # read by the server, which waits for more
+        alone = await rerank.Rerank(pb.RerankRequest(query=QUERY, texts=TEXTS))
+        assert len(alone.ranks) == len(TEXTS)
+        await sending.put(None)
+        assert [rank.index for rank in (await streamed).ranks] == [0]

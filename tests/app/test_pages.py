@@ -148,3 +148,13 @@ async def test_pages_stay_out_of_the_schema(client: httpx.AsyncClient) -> None:
     paths = set((await client.get("/openapi.json")).json()["paths"])
     assert paths.isdisjoint({"/", "/playground", "/docs", "/redoc", "/static/{name}"})
     assert "/embed" in paths
+
+
+async def test_the_files_are_counted_under_their_route(client: httpx.AsyncClient) -> None:
+    """Under the templated route, not `other`; a path below it that no route takes stays
+    `other`, so that no label comes from a client's path."""
+    await client.get("/static/playground.js")
+    await client.get("/static/a/b")
+    metrics = (await client.get("/metrics")).text
+    assert 'embed_requests_total{route="/static/{name}",status="200"} 1.0' in metrics
+    assert 'embed_requests_total{route="other",status="404"} 1.0' in metrics
