@@ -37,6 +37,8 @@ from app.errors import (
     UnauthorizedError,
     UnavailableError,
 )
+from app.grpc.health import SERVICE_NAME as HEALTH_SERVICE
+from app.grpc.health import add_health
 from app.grpc.protocol import pb
 from app.grpc.service import Answer, Reply, TeiServicer
 from app.metrics import Metrics
@@ -130,7 +132,9 @@ class GrpcServer:
             ]
         )
         self._add_handlers(server)
-        reflection.enable_server_reflection((*SERVICE_NAMES, reflection.SERVICE_NAME), server)
+        add_health(server, self._ready, SERVICE_NAMES)
+        names = (*SERVICE_NAMES, HEALTH_SERVICE, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
         try:
             self.port = server.add_insecure_port(address)
         except RuntimeError as exc:
@@ -189,6 +193,10 @@ class GrpcServer:
             )
             server.add_registered_method_handlers(service.full_name, handlers)
             log.debug("gRPC service %s: %s", name, ", ".join(handlers))
+
+    def _ready(self) -> bool:
+        """Readiness, as /health says it for the model gRPC serves, until a drain starts."""
+        return not self.closing and self.servicer.service().ready
 
     # Calls -----------------------------------------------------------------------------
     def _unary(self, path: str, answer: Answer) -> Callable[..., Any]:

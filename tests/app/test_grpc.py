@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import transformers
 from fastapi import FastAPI
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from app.grpc import tei_pb2 as pb
@@ -533,6 +534,7 @@ async def test_reflection_lists_the_services(tiny_checkpoint: Path) -> None:
         ]
         names = {service.name for service in answers[0].list_services_response.service}
         assert {f"tei.v1.{s}" for s in ("Info", "Embed", "Predict", "Rerank", "Tokenize")} <= names
+        assert "grpc.health.v1.Health" in names
         assert answers[1].file_descriptor_response.file_descriptor_proto
 
 
@@ -661,3 +663,21 @@ async def test_a_stream_still_sending_holds_no_slot(reranker: Path) -> None:
         assert len(alone.ranks) == len(TEXTS)
         await sending.put(None)
         assert [rank.index for rank in (await streamed).ranks] == [0]
+
+
+async def test_the_health_service_says_what_health_says(tiny_checkpoint: Path) -> None:
+    """grpc.health.v1's Check, for Kubernetes' grpc probes and Envoy: SERVING while /health
+    is 200, with no API key, for the server ("") or a tei.v1 service; NOT_FOUND for another
+    name; NOT_SERVING once a stop has come."""
+    async with serving(tiny_checkpoint, api_key="sesame") as served:
+        check = health_pb2_grpc.HealthStub(served.channel).Check
+        serving_status = health_pb2.HealthCheckResponse.SERVING
+        assert (await check(health_pb2.HealthCheckRequest())).status == serving_status
+        named = health_pb2.HealthCheckRequest(service="tei.v1.Embed")
+        assert (await check(named)).status == serving_status
+        unknown = check(health_pb2.HealthCheckRequest(service="nope"))
+        assert (await status_of(unknown))[0] == Code.NOT_FOUND
+        service_of(served.app).begin_stop()
+        assert (await served.http.get("/health")).status_code == 503
+        stopping = await check(health_pb2.HealthCheckRequest())
+        assert stopping.status == health_pb2.HealthCheckResponse.NOT_SERVING
