@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
+import uuid
 
 import orjson
+
+
+class RequestIds:
+    """Ids for requests that bring none, to find them in the log: unique per process start
+    (front ends share a port), then a counter, cheaper than a uuid4 per request."""
+
+    def __init__(self) -> None:
+        self._prefix = uuid.uuid4().hex[:12]
+        self._counter = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self._prefix}-{next(self._counter)}"
 
 
 class JSONFormatter(logging.Formatter):

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
 import time
-import uuid
 from collections.abc import Collection, Container, Mapping
 
 from prometheus_client import Counter
@@ -33,6 +31,7 @@ from app.errors import (
     require_plain,
 )
 from app.handlers import render_error
+from app.logs import RequestIds
 from app.metrics import Metrics
 from app.models import ServedModels
 
@@ -73,15 +72,10 @@ class ServiceMiddleware:
         self.models = models
         self.post_routes = post_routes
         self.balance = balance
-        # Unique per process start, then a counter: cheaper than a uuid4 per request.
-        self._id_prefix = uuid.uuid4().hex[:12]
-        self._id_counter = itertools.count(1)
+        self._ids = RequestIds()
         # The requests counter's child per (route, status): `labels()` takes a lock and builds
         # a key on every call. Both sets are small (the app's routes and "other", the statuses).
         self._counters: dict[tuple[str, int], Counter] = {}
-
-    def _next_id(self) -> str:
-        return f"{self._id_prefix}-{next(self._id_counter)}"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -89,7 +83,7 @@ class ServiceMiddleware:
             return
         started = time.perf_counter()
         headers = dict(scope["headers"])
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or self._next_id()
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or self._ids.next()
         scope.setdefault("state", {})["request_id"] = request_id
         path: str = scope["path"]
         route = "other"

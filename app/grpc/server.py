@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -41,6 +40,7 @@ from app.grpc.health import SERVICE_NAME as HEALTH_SERVICE
 from app.grpc.health import add_health
 from app.grpc.protocol import pb
 from app.grpc.service import Answer, Reply, TeiServicer
+from app.logs import RequestIds
 from app.metrics import Metrics
 from app.service import EmbeddingService
 from app.settings import Settings
@@ -116,7 +116,7 @@ class GrpcServer:
         # Each open bidirectional stream's queue, to end idle ones on drain.
         self.streams: set[asyncio.Queue[Any]] = set()
         self.server: grpc.aio.Server | None = None
-        self._ids = itertools.count(1)
+        self._ids = RequestIds()
         self._counters: dict[tuple[str, int], Any] = {}
 
     # Lifecycle -------------------------------------------------------------------------
@@ -318,7 +318,7 @@ class GrpcServer:
             raise
         except Exception as exc:
             status = 500
-            request_id = f"grpc-{next(self._ids)}"
+            request_id = self._ids.next()
             log.exception("unexpected error in %s, request id %s", path, request_id)
             self.metrics.failures.labels(ServiceError.error_type).inc()
             raise ServiceError(f"internal error (request id {request_id})") from exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -30,6 +31,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from app.grpc import tei_pb2 as pb
 from app.grpc import tei_pb2_grpc as stubs
 from app.grpc.server import GrpcServer
+from app.grpc.service import TeiServicer
 from model.heads import Splade
 from tests.app.conftest import (
     GatedForward,
@@ -681,3 +683,22 @@ async def test_the_health_service_says_what_health_says(tiny_checkpoint: Path) -
         assert (await served.http.get("/health")).status_code == 503
         stopping = await check(health_pb2.HealthCheckRequest())
         assert stopping.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_an_unexpected_error_is_internal_with_an_id_unique_to_the_process(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As HTTP's 500: the id names the process's start (front ends share the port), and the
+    log holds it with the traceback."""
+
+    async def broken(self: TeiServicer, request: Any) -> Any:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(TeiServicer, "embed", broken)
+    async with serving(tiny_checkpoint) as served:
+        call = stub("Embed", served.channel).Embed(pb.EmbedRequest(inputs="a"))
+        code, details = await status_of(call)
+    assert code == Code.INTERNAL
+    found = re.fullmatch(r"internal error \(request id ([0-9a-f]{12}-\d+)\)", details)
+    assert found is not None and f"request id {found[1]}" in caplog.text
+    assert "injected" not in details
