@@ -33,6 +33,7 @@ def bounds(info: ModelInfo, settings: Settings) -> dict[str, dict[str, Any]]:
         "prompt_name": {"enum": [*info.prompts, ""]},
         "input_chars": {"maxLength": settings.max_input_chars},
         "inputs": {"maxItems": settings.max_inputs_per_request},
+        "request_tokens": {"maxItems": settings.max_request_tokens},
         # /similarity's sentences, with the source sentence one input more.
         "sentences": {"maxItems": settings.max_inputs_per_request - 1},
     }

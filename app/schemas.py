@@ -267,10 +267,14 @@ class SimilarityRequest(Request):
         return (self.parameters or SimilarityParameters()).options()
 
 
+# One list of token ids to decode: at most the tokens one request may hold (their sum over a
+# request's lists is checked too: app/limits.py).
+IdList = Annotated[list[TokenId], Field(min_length=1, json_schema_extra=bound("request_tokens"))]
+
+
 class DecodeRequest(Request):
     ids: Annotated[
-        Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+        IdList | Annotated[list[IdList], Field(min_length=1, json_schema_extra=bound("inputs"))],
         expecting(_lower_first(IDS_DESCRIPTION)),
     ] = Field(description=IDS_DESCRIPTION)
     skip_special_tokens: StrictBool = Field(

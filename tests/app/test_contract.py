@@ -297,6 +297,10 @@ async def test_the_schema_states_the_loaded_models_bounds(tiny_checkpoint: Path)
         "maximum": layers - 1,
     }
     assert attention["heads"]["anyOf"][0]["items"]["maximum"] == heads - 1
+    # /decode: id lists count as inputs, and no list holds more ids than a request's tokens.
+    one, lists = requests["DecodeRequest"]["properties"]["ids"]["anyOf"]
+    assert lists["maxItems"] == LIMITS["max_inputs_per_request"]
+    assert one["maxItems"] == lists["items"]["maxItems"] == 300_000  # max_request_tokens
     assert BOUND not in str(schema)  # every marker was replaced by its bound
 
 
