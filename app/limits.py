@@ -41,20 +41,6 @@ class Limits:
                         f"input {index} has {len(text)} characters, more than the limit of {chars}"
                     )
 
-    def check_ids(self, ids: Sequence[Sequence[int]]) -> None:
-        """/decode's token id lists: 413 past the inputs and the tokens a request may hold."""
-        limit = self.settings.max_inputs_per_request
-        if len(ids) > limit:
-            raise PayloadTooLargeError(
-                f"the request holds {len(ids)} id lists, more than the limit of {limit}"
-            )
-        tokens = sum(map(len, ids))
-        limit = self.settings.max_request_tokens
-        if tokens > limit:
-            raise PayloadTooLargeError(
-                f"the request holds {tokens} token ids, more than the limit of {limit}"
-            )
-
     def check_dimensions(self, dimensions: int | None, info: ModelInfo) -> None:
         if dimensions is not None and not 1 <= dimensions <= info.dimensions:
             raise ValidationFailedError(
@@ -73,6 +59,15 @@ class Limits:
             query.mean,
         )
 
+    def check_token_count(self, tokens: int) -> None:
+        """413 for more tokens than a request may hold."""
+        limit = self.settings.max_request_tokens
+        if tokens > limit:
+            raise PayloadTooLargeError(
+                f"the request holds {tokens} tokens, more than the limit of {limit}; "
+                "send fewer or shorter inputs"
+            )
+
     def check_tokens(
         self,
         encoded: Sequence[Encoded],
@@ -83,12 +78,7 @@ class Limits:
         """413 for too many tokens in the request; 422 for too many per-token or attention
         values in the response. Returns the request's token count."""
         tokens = sum(len(e.ids) for e in encoded)
-        limit = self.settings.max_request_tokens
-        if tokens > limit:
-            raise PayloadTooLargeError(
-                f"the request holds {tokens} tokens, more than the limit of {limit}; "
-                "send fewer or shorter inputs"
-            )
+        self.check_token_count(tokens)
         if options.token_embeddings:
             values = tokens * info.hidden_size
             limit = self.settings.max_token_values

@@ -120,7 +120,8 @@ class ServiceMiddleware:
                 self._admit()
                 admitted = True
             if scope["method"] == "POST" and (path == "/" or path in self.post_routes):
-                require_plain(headers.get(b"content-encoding", b"").decode("latin-1"))
+                if (encoding := headers.get(b"content-encoding")) is not None:
+                    require_plain(encoding.decode("latin-1"))
                 raw = await self._read_body(headers, receive)
                 post = (
                     main_route(self.post_routes, named or self.models.default, raw)

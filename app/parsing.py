@@ -81,5 +81,8 @@ def _location(loc: Sequence[Any]) -> str:
     """An error's location as the body writes it: `inputs.sentences[1]`."""
     text = ""
     for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else str(part)
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
     return text

@@ -238,9 +238,10 @@ class EmbeddingService:
     ) -> Tokenized:
         codec = self.check_ready()
         self.limits.check_inputs(inputs)
-        encoded, _ = await self.tokenization.run(
+        encoded, seconds = await self.tokenization.run(
             codec, inputs, options, add_special_tokens=add_special_tokens
         )
+        self.tokenization.record(seconds)
         prompt = codec.prompt(options.prompt_name)  # known good: tokenizing checked it
         texts = [prompt + item if isinstance(item, str) else item for item in inputs]
         return Tokenized(texts, encoded)
@@ -270,6 +271,7 @@ class EmbeddingService:
                 )
             except TimeoutError as exc:  # still waiting for the tokenizer's threads
                 raise self._deadline_error() from exc
+            self.tokenization.record(tokenization)
             tokens = self.limits.check_tokens(encoded, options, attention, info)
             wants = Wants(
                 options.pooled,
@@ -348,7 +350,6 @@ class EmbeddingService:
                         replace(options, truncate=True),
                         details=False,  # each piece's vector is all its chunk gives
                         deadline=deadline,
-                        record=False,
                     )
                     tokenization += seconds
             else:
@@ -392,18 +393,23 @@ class EmbeddingService:
         ranges = self.calibration.ranges(options.normalize, options.dimensions)
         return quantize(vectors, precision, ranges)
 
-    async def decode(self, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool) -> list[str]:
+    async def decode(self, ids: Sequence[list[int]], *, skip_special_tokens: bool) -> list[str]:
         codec = self.check_ready()
-        self.limits.check_ids(ids)
+        self.limits.check_inputs(ids)  # an id list is an input, an id a token
+        self.limits.check_token_count(sum(map(len, ids)))
         vocabulary = codec.info.vocab_size
-        for row, sequence in enumerate(ids):
-            for position, token_id in enumerate(sequence):
-                if token_id >= vocabulary:
-                    raise ValidationFailedError(
-                        f"ids {row}: token id {token_id} at position {position} is outside the "
-                        f"vocabulary [0, {vocabulary})",
-                        param="ids",
-                    )
+        if max(map(max, ids)) >= vocabulary:  # the lists are not empty (the schema's rule)
+            row, position, token_id = next(
+                (row, position, token_id)
+                for row, sequence in enumerate(ids)
+                for position, token_id in enumerate(sequence)
+                if token_id >= vocabulary
+            )
+            raise ValidationFailedError(
+                f"ids {row}: token id {token_id} at position {position} is outside the "
+                f"vocabulary [0, {vocabulary})",
+                param="ids",
+            )
         return await self.tokenization.decode(codec, ids, skip_special_tokens)
 
     def _count(self, encoded: Sequence[Encoded], tokens: int) -> None:

@@ -84,13 +84,11 @@ class Tokenization:
         add_special_tokens: bool = True,
         details: bool = True,
         deadline: float | None = None,
-        record: bool = True,
     ) -> tuple[list[Encoded], float]:
         """Every input encoded, in order; also the seconds it took. TimeoutError past
         `deadline` (perf_counter) while waiting for the pool (whose threads still finish the
         work: they cannot be stopped). Without `details`, texts keep only what the model
-        runs on (model/tokenizer.py's `TextTokenizer.encode`). `record`: the seconds go in
-        the metrics as one request's tokenizing (else the caller records them, `record`)."""
+        runs on (model/tokenizer.py's `TextTokenizer.encode`)."""
         truncate = self.auto_truncate if options.truncate is None else options.truncate
 
         def encode_singles(items: Sequence[RawInput]) -> list[Encoded]:
@@ -123,8 +121,7 @@ class Tokenization:
             encoded.update(zip(pairs, done, strict=True))
             return [encoded[i] for i in range(len(inputs))]
 
-        chars = sum(characters(item) for item in inputs)
-        return await self._timed(encode, chars, deadline, record)
+        return await self._timed(encode, sum(characters(item) for item in inputs), deadline)
 
     async def whole(
         self,
@@ -135,13 +132,12 @@ class Tokenization:
         then: Callable[[list[Encoded]], Done],
     ) -> tuple[Done, float]:
         """Each text's every token, never truncated (documents to be cut into chunks), and
-        what `then` makes of them, in the same hop off the event loop; the caller records the
-        seconds (chunking tokenizes twice per request)."""
+        what `then` makes of them, in the same hop off the event loop."""
 
         def encode() -> Done:
             return then([codec.tokenize_whole(text, prompt_name) for text in texts])
 
-        return await self._timed(encode, sum(map(len, texts)), deadline, record=False)
+        return await self._timed(encode, sum(map(len, texts)), deadline)
 
     async def decode(
         self, codec: TextCodec, ids: Sequence[Sequence[int]], skip_special_tokens: bool
@@ -156,11 +152,11 @@ class Tokenization:
         return await asyncio.get_running_loop().run_in_executor(self._pool, decode)
 
     def record(self, seconds: float) -> None:
-        """One request's tokenizing, in the metrics."""
+        """One request's tokenizing (all of it, however many calls it took), in the metrics."""
         self.metrics.tally.observe(self.metrics.tokenization_seconds, seconds)
 
     async def _timed(
-        self, encode: Callable[[], Done], chars: int, deadline: float | None, record: bool
+        self, encode: Callable[[], Done], chars: int, deadline: float | None
     ) -> tuple[Done, float]:
         started = time.perf_counter()
         try:
@@ -176,7 +172,4 @@ class Tokenization:
             raise ValidationFailedError(f"{exc}; {TOKEN_ID_HINT}", param="input") from exc
         except InputError as exc:
             raise ValidationFailedError(str(exc), param="input") from exc
-        seconds = time.perf_counter() - started
-        if record:
-            self.record(seconds)
-        return encoded, seconds
+        return encoded, time.perf_counter() - started

@@ -484,8 +484,8 @@ async def test_decode_keeps_the_request_limits(tiny_checkpoint: Path) -> None:
         tokens = await client.post("/decode", json={"ids": [[5] * 300, [5] * 301]})
         long = await client.post("/decode", json={"ids": [5] * 600})
         short = await client.post("/decode", json={"ids": [5]})
-    assert lists.status_code == 413 and "3 id lists" in lists.json()["error"]
-    assert tokens.status_code == 413 and "601 token ids" in tokens.json()["error"]
+    assert lists.status_code == 413 and "holds 3 inputs" in lists.json()["error"]
+    assert tokens.status_code == 413 and "holds 601 tokens" in tokens.json()["error"]
     assert long.status_code == 200 and short.status_code == 200
     assert long.json()[0].split() == short.json()[0].split() * 600
 
@@ -496,3 +496,15 @@ async def test_a_body_sent_as_it_is_may_say_so(tiny_checkpoint: Path) -> None:
     async with running_app(make_settings(tiny_checkpoint)) as (_, client):
         response = await client.post("/embed", content=b'{"inputs": "a"}', headers=headers)
     assert response.status_code == 200
+
+
+async def test_decode_names_the_first_id_outside_the_vocabulary(tiny_checkpoint: Path) -> None:
+    size = len(TINY_VOCAB)
+    async with running_app(make_settings(tiny_checkpoint)) as (_, client):
+        response = await client.post("/decode", json={"ids": [[5, 6], [7, size + 3, size]]})
+        inside = await client.post("/decode", json={"ids": [[5, size - 1]]})
+    assert response.status_code == 422
+    assert response.json()["error"] == (
+        f"ids 1: token id {size + 3} at position 1 is outside the vocabulary [0, {size})"
+    )
+    assert inside.status_code == 200
