@@ -3,7 +3,8 @@
 SIGTERM (or Ctrl-C) drains: /health turns 503 at once; after --drain-delay seconds (for load
 balancers to notice) new inference gets 503 too; accepted requests finish (up to
 --shutdown-grace seconds), then the server exits 0. A second signal exits at once, with 128 +
-the signal's number.
+the signal's number. Under the split placement a front end takes these signals from its
+supervisor, as SUPERVISOR_STOP (app/stop_signal.py).
 Worst case from the first signal to the exit: drain_delay + shutdown_grace, then up to
 CLOSE_GRACE seconds for uvicorn to close connections, then the forward pass in progress, if
 clients that left are all it still serves (up to shutdown_grace again).
@@ -12,10 +13,12 @@ clients that left are all it still serves (up to shutdown_grace again).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -27,6 +30,7 @@ from app.main import create_app
 from app.metrics import Metrics
 from app.models import ServedModels
 from app.settings import Settings
+from app.stop_signal import SUPERVISOR_STOP
 
 if TYPE_CHECKING:
     from app.grpc.server import GrpcServer
@@ -49,10 +53,12 @@ class DrainingServer(uvicorn.Server):
         grace: float,
         balance: ConnectionBalance | None = None,
         grpc: GrpcServer | None = None,
+        supervised: bool = False,
     ) -> None:
         super().__init__(config)
         self.models = models
         self.balance = balance
+        self.supervised = supervised  # a front end: stopped by its supervisor's signal
         self.grpc = grpc  # tei.v1 on its own port, drained with the HTTP server
         self.delay = delay
         self.grace = grace
@@ -75,6 +81,20 @@ class DrainingServer(uvicorn.Server):
         if self.grpc is not None:
             await self.grpc.stop()
         await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's SIGTERM and SIGINT; a front end's SUPERVISOR_STOP instead, its SIGTERM
+        and SIGINT left ignored (app/supervisor.py's `_child`)."""
+        if not self.supervised:
+            with super().capture_signals():
+                yield
+            return
+        previous = signal.signal(SUPERVISOR_STOP, self.handle_exit)
+        try:
+            yield
+        finally:
+            signal.signal(SUPERVISOR_STOP, previous)
 
     async def on_tick(self, counter: int) -> bool:
         # uvicorn ticks every 0.1 s; the connections are counted every other tick.
@@ -128,10 +148,12 @@ def serve(
     sock: socket.socket | None = None,
     balance: ConnectionBalance | None = None,
     metrics: Metrics | None = None,
+    *,
+    supervised: bool = False,
 ) -> int:
     """Serve until stopped, on `sock` if given (a front end, with its `balance`) or on
     settings' host and port; return the exit code. `engine`: each model's, by name; by
-    default in this process."""
+    default in this process. `supervised`: stopped by the split placement's supervisor."""
     server: DrainingServer | None = None
 
     def on_fatal(reason: str) -> None:
@@ -163,7 +185,13 @@ def serve(
         limit_concurrency=settings.max_connections + 1,
     )
     server = DrainingServer(
-        config, app.state.models, settings.drain_delay, settings.shutdown_grace, balance, grpc
+        config,
+        app.state.models,
+        settings.drain_delay,
+        settings.shutdown_grace,
+        balance,
+        grpc,
+        supervised,
     )
     server.run(sockets=[sock] if sock is not None else None)
     return server.exit_code

@@ -5,12 +5,16 @@ reserves the port, starts the engines and waits until each has loaded its model 
 its card, then starts the front ends, which each listen on the port (see `bind`) and reach
 every engine over a Unix socket (app/engine/remote.py, app/engine/process.py).
 
-Stopping: SIGTERM or SIGINT goes to the front ends, which drain as one server alone does
-(app/server.py); once they have exited, the engines finish what is queued and exit, and so
-does the supervisor, with 0. Failures, so that an orchestrator never sees a half-serving
-container as healthy: an engine that dies closes its connections, so every front end's
-/live turns 503 and its requests fail; the front ends are stopped and the supervisor exits
-non-zero; a front end that dies stops everything the same way.
+Stopping: SIGTERM or SIGINT to the supervisor goes on to the front ends, which drain as one
+server alone does (app/server.py); once they have exited, the engines finish what is queued
+and exit, and so does the supervisor, with 0. A second signal ends the front ends at once. The
+children stop on the supervisor's word only (app/stop_signal.py), so that a SIGTERM sent to
+every process at once (systemd's default) drains once.
+
+Failures, so that an orchestrator never sees a half-serving container as healthy: an engine
+that dies closes its connections, so every front end's /live turns 503 and its requests
+fail; the front ends are stopped and the supervisor exits non-zero; a front end that dies
+stops everything the same way.
 
 Metrics go through prometheus_client's multiprocess mode: every process writes its values
 to files in a directory made here, and whichever front end answers /metrics reports them
@@ -46,6 +50,7 @@ from app.memory import limit_arenas
 from app.metrics import MULTIPROCESS_DIR_VARIABLE
 from app.run_folder import create_run_folder, hold
 from app.settings import ServedModel, Settings
+from app.stop_signal import OUTSIDE_STOPS, SUPERVISOR_STOP, leave_stops_to_the_supervisor
 from model.codec import ModelCard
 from model.errors import ConfigError
 
@@ -56,6 +61,9 @@ log = logging.getLogger("app")
 STOP_MARGIN = 10.0
 _PR_SET_PDEATHSIG = 1  # from linux/prctl.h
 _PR_SET_NAME = 15
+# Exit codes (multiprocessing's) of a child that a stop signal killed while it started: the
+# supervisor's, or one sent to every process at once.
+STARTING_STOPPED = (-SUPERVISOR_STOP, *(-sig for sig in OUTSIDE_STOPS))
 
 
 def bind(
@@ -166,9 +174,7 @@ class Supervisor:
         self.code = 0
 
     def run(self) -> int:
-        previous = {
-            sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)
-        }
+        previous = {sig: signal.signal(sig, self._forward) for sig in OUTSIDE_STOPS}
         try:
             cards = self._start_engines()
             if cards is None or self.stopping.is_set():
@@ -183,14 +189,17 @@ class Supervisor:
 
     def _forward(self, sig: int, frame: FrameType | None) -> None:
         """A stop signal (SIGTERM, or SIGINT): the front ends drain (the engines once they
-        are gone; before there are front ends, the engines stop at once). Passed on as
-        SIGTERM, which a child still starting dies of quietly, where SIGINT would raise
-        KeyboardInterrupt in whatever it imports and exit 1."""
+        are gone; before there are front ends, the engines stop at once); a second one ends
+        the front ends at once, and the supervisor's exit says 128 + its number. Passed on as
+        SUPERVISOR_STOP, of which a child still starting dies quietly (SIGINT would raise
+        KeyboardInterrupt in whatever it imports and exit 1)."""
+        if self.stopping.is_set():
+            self.code = self.code or 128 + sig
         self.stopping.set()
         for process in self.frontends or self.engines:
             if process.pid is not None and process.exitcode is None:
                 with contextlib.suppress(ProcessLookupError):  # exited, not yet reaped
-                    os.kill(process.pid, signal.SIGTERM)
+                    os.kill(process.pid, SUPERVISOR_STOP)
 
     def _start_engines(self) -> list[ModelCard] | None:
         """Every model's engines loaded and warmed up: each model's card (the same from
@@ -245,7 +254,7 @@ class Supervisor:
             self.frontends.append(process)
             # A signal before this one had a pid skipped it in `_forward`: pass it on now.
             if self.stopping.is_set():
-                os.kill(process.pid or 0, signal.SIGTERM)
+                os.kill(process.pid or 0, SUPERVISOR_STOP)
         log.info(
             "%d engine(s) for %d model(s) on %s, %d front end(s) on %s:%d",
             len(self.engines),
@@ -273,9 +282,9 @@ class Supervisor:
         if process in self.engines and self.shared.cores is not None:
             self.shared.cores.forget(self.engines.index(process))  # its cores are free
         code = _shell_code(process.exitcode or 0)
-        if self.stopping.is_set() and process.exitcode in (-signal.SIGTERM, -signal.SIGINT):
-            # The stop signal killed it before its handler was set: it was still starting
-            # (a spawned interpreter has default handlers), so nothing was in flight.
+        if self.stopping.is_set() and process.exitcode in STARTING_STOPPED:
+            # A stop signal killed it before its handler was set: it was still starting (a
+            # spawned interpreter has default handlers), so nothing was in flight.
             log.info("%s stopped while it started", process.name)
             code = 0
         self.code = self.code or code
@@ -288,8 +297,9 @@ class Supervisor:
     @staticmethod
     def _stop(processes: list[SpawnProcess], drain: float = 0.0) -> None:
         for process in processes:
-            if process.exitcode is None:
-                process.terminate()  # SIGTERM: a drain
+            if process.pid is not None and process.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, SUPERVISOR_STOP)  # a drain
         for process in processes:
             process.join(drain + STOP_MARGIN)
             if process.exitcode is None:
@@ -324,11 +334,13 @@ def _resolve_devices(devices: list[str]) -> list[str]:
 
 
 def _child(settings: Settings, name: str, run_dir: Path) -> None:
-    """What every child does first. Signals reach it through the supervisor only (a
-    terminal's Ctrl-C goes to the whole process group, and a child that got it twice would
-    skip its drain); it dies with the supervisor; `name` is its name in ps and top; it holds
-    the run folder while it lives (app/run_folder.py)."""
+    """What every child does first. Stop signals reach it through the supervisor only (a
+    terminal's Ctrl-C goes to the whole process group, systemd's SIGTERM to every process,
+    and a child that got one twice would skip its drain); it stops when the supervisor dies;
+    `name` is its name in ps and top; it holds the run folder while it lives
+    (app/run_folder.py)."""
     os.setpgrp()
+    leave_stops_to_the_supervisor()
     _prctl(name)
     hold(run_dir)
     limit_arenas()
@@ -337,11 +349,11 @@ def _child(settings: Settings, name: str, run_dir: Path) -> None:
 
 
 def _prctl(name: str | None) -> None:
-    """This child gets SIGTERM when the supervisor dies (at once where it died before this
-    could be asked for), and `name` in ps and top."""
+    """This child gets SUPERVISOR_STOP when the supervisor dies (at once where it died before
+    this could be asked for), and `name` in ps and top."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, SUPERVISOR_STOP)
         if name is not None:
             libc.prctl(_PR_SET_NAME, name.encode())
     except (OSError, AttributeError):  # not Linux: children outlive a killed supervisor
@@ -349,7 +361,7 @@ def _prctl(name: str | None) -> None:
         return
     parent = multiprocessing.parent_process()
     if parent is not None and os.getppid() != parent.pid:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), SUPERVISOR_STOP)
 
 
 def run_engine(
@@ -401,4 +413,5 @@ def run_frontend(settings: Settings, cards: list[ModelCard], index: int, shared:
             Admission(own.request_timeout, own.max_queue_wait),
         )
     balance = ConnectionBalance(shared.counts, index)
-    raise SystemExit(serve(settings, engines, bind(settings, listen=True), balance))
+    sock = bind(settings, listen=True)
+    raise SystemExit(serve(settings, engines, sock, balance, supervised=True))

@@ -4,8 +4,9 @@ front end connects to. No HTTP.
 One thread does all the work: the compute thread accepts the front ends' connections, reads
 their submissions and aborts between batches and while it waits (`Batcher.take_from`), runs
 the batches, and writes each batch's answers, one write per front end. The main thread
-only watches: for SIGTERM, which the supervisor sends once every front end has exited (finish
-what is queued, then exit 0), and for a batch worker that has stopped (exit 1).
+only watches: for the supervisor's stop (app/stop_signal.py), which it sends once every front
+end has exited (finish what is queued, then exit 0), and for a batch worker that has stopped
+(exit 1).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from app.engine.wire import (
 )
 from app.metrics import Metrics
 from app.settings import ServedModel, Settings
+from app.stop_signal import SUPERVISOR_STOP
 from model.shared_weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -138,8 +140,7 @@ class EngineProcess:
         self.selector.register(self.listener, selectors.EVENT_READ)
         gc.collect()
         gc.freeze()  # see app/service.py: start-up's objects out of the collector's sight
-        for stop in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(stop, self._stop)
+        signal.signal(SUPERVISOR_STOP, self._stop)
         batcher.take_from(self._intake)
         ready.send(("ready", card))
         ready.close()

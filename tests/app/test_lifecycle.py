@@ -15,6 +15,7 @@ import pytest
 from app.__main__ import load_settings
 from app.main import create_app
 from app.settings import Settings
+from app.stop_signal import SUPERVISOR_STOP
 from app.supervisor import Supervisor, bind, reserve
 from tests.app.conftest import GatedForward, make_settings, running_app, service_of
 
@@ -191,12 +192,13 @@ def test_a_port_held_for_a_server_s_front_ends_is_refused_to_another_server() ->
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_reaches_the_children_as_sigterm(
+def test_a_stop_signal_reaches_the_children_as_the_supervisors_stop(
     sig: signal.Signals, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SIGINT (Ctrl-C) too: a front end still starting dies of SIGTERM quietly, counted as
-    stopped while it started, where SIGINT raised KeyboardInterrupt in its imports (exit 1).
-    One that has exited but is not yet reaped is passed over."""
+    """SIGINT (Ctrl-C) too: a front end still starting dies of SUPERVISOR_STOP quietly,
+    counted as stopped while it started, where SIGINT raised KeyboardInterrupt in its imports
+    (exit 1). One that has exited but is not yet reaped is passed over. A second signal is
+    passed on too (the front ends then exit at once), and the supervisor's exit says it."""
     sent: list[tuple[int, int]] = []
 
     def kill(pid: int, signal_number: int) -> None:
@@ -209,5 +211,8 @@ def test_a_stop_signal_reaches_the_children_as_sigterm(
     children = [SimpleNamespace(pid=pid, exitcode=None) for pid in (2, 3, 4)]
     supervisor.frontends = children  # type: ignore[assignment]
     supervisor._forward(sig, None)
-    assert supervisor.stopping.is_set()
-    assert sent == [(2, signal.SIGTERM), (4, signal.SIGTERM)]
+    assert supervisor.stopping.is_set() and supervisor.code == 0
+    assert sent == [(2, SUPERVISOR_STOP), (4, SUPERVISOR_STOP)]
+    supervisor._forward(sig, None)
+    assert sent[2:] == [(2, SUPERVISOR_STOP), (4, SUPERVISOR_STOP)]
+    assert supervisor.code == 128 + sig

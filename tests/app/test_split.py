@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -198,6 +198,16 @@ def test_importing_a_front_end_imports_no_torch() -> None:
     assert imported.stdout.strip() == "False", imported.stderr
 
 
+def queued(pool: ThreadPoolExecutor, server: ServerProcess, inputs: int) -> Future[httpx.Response]:
+    """A request of `inputs` short texts, sent from `pool`, once its inputs are queued."""
+    in_flight = pool.submit(
+        httpx.post, f"{server.url}/embed", json={"inputs": ["a b c"] * inputs}, timeout=120
+    )
+    while metric(scrape(server.url), "embed_queue_depth") == 0:
+        assert not in_flight.done()
+    return in_flight
+
+
 def test_sigterm_finishes_work_in_flight_across_processes(
     split: ServerProcess,
 ) -> None:
@@ -207,11 +217,7 @@ def test_sigterm_finishes_work_in_flight_across_processes(
     run_dir = Path(metrics.split(b"=", 1)[1].decode()).parent  # sockets, board, metrics
     assert run_dir.is_dir()
     with ThreadPoolExecutor(1) as pool:
-        in_flight = pool.submit(
-            httpx.post, f"{split.url}/embed", json={"inputs": ["a b c"] * 1500}, timeout=120
-        )
-        while metric(scrape(split.url), "embed_queue_depth") == 0:
-            assert not in_flight.done()
+        in_flight = queued(pool, split, 1500)
         split.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)  # within the drain delay: /health says 503, work is still accepted
         assert httpx.get(f"{split.url}/health").status_code == 503
@@ -224,17 +230,50 @@ def test_sigterm_finishes_work_in_flight_across_processes(
     assert not run_dir.exists()
 
 
+def test_sigterm_to_every_process_at_once_drains_once(split: ServerProcess) -> None:
+    """As systemd stops a service (its default `KillMode=control-group`): SIGTERM to each of
+    its processes at the same moment. The children leave it to the supervisor, whose stop
+    drains them once; a front end that counted both skipped its drain, and an engine
+    stopped under front ends still accepting work."""
+    children = [*engines_of(split), *frontends_of(split)]
+    with ThreadPoolExecutor(1) as pool:
+        in_flight = queued(pool, split, 1500)
+        for pid in [split.process.pid, *children]:
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(0.3)  # within the drain delay: /health says 503, work is still accepted
+        assert httpx.get(f"{split.url}/health").status_code == 503
+        late = httpx.post(f"{split.url}/embed", json={"inputs": "late"}, timeout=120)
+        assert late.status_code == 200
+        assert in_flight.result().status_code == 200
+    assert split.process.wait(timeout=60) == 0
+    assert not any(alive(pid) for pid in children)
+    log = split.log.read_text()
+    assert "second signal" not in log and "Traceback" not in log
+
+
+def test_a_second_signal_to_the_supervisor_ends_the_front_ends_at_once(
+    split: ServerProcess,
+) -> None:
+    children = [*engines_of(split), *frontends_of(split)]
+    with ThreadPoolExecutor(1) as pool:
+        in_flight = queued(pool, split, 2000)
+        split.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        split.process.send_signal(signal.SIGTERM)
+        assert split.process.wait(timeout=60) == 128 + signal.SIGTERM
+        with pytest.raises(httpx.TransportError):  # cut off, not finished
+            in_flight.result()
+    assert not any(alive(pid) for pid in children)
+    assert "second signal during the drain: exiting now" in split.log.read_text()
+
+
 def test_a_killed_engine_fails_live_and_its_requests_and_stops_the_container(
     split: ServerProcess,
 ) -> None:
     (engine,) = engines_of(split)
     frontends = frontends_of(split)
     with ThreadPoolExecutor(1) as pool:
-        in_flight = pool.submit(
-            httpx.post, f"{split.url}/embed", json={"inputs": ["a b c"] * 2000}, timeout=120
-        )
-        while metric(scrape(split.url), "embed_queue_depth") == 0:
-            assert not in_flight.done()
+        in_flight = queued(pool, split, 2000)
         os.kill(engine, signal.SIGKILL)
         lives: list[int] = []
         while split.process.poll() is None and len(lives) < 50:
