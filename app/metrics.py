@@ -127,7 +127,8 @@ class Metrics:
         )
         self.queue_seconds = self._duration(
             "queue",
-            "A request's wait in the model's queue (its longest-waiting input's).",
+            "An answered request's wait in the model's queue (its longest-waiting input's); "
+            'one that ran out of time counts in embed_failures_total{reason="Timeout"}.',
             per_model,
         )
         self.inference_seconds = self._duration(

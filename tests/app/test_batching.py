@@ -7,6 +7,7 @@ import contextlib
 import gc
 import multiprocessing
 import queue
+import re
 import threading
 import time
 from pathlib import Path
@@ -132,8 +133,13 @@ async def test_timed_out_input_is_dropped_before_it_runs(tiny_checkpoint: Path) 
         gate.gate.set()
         await held
         after = await client.post("/embed", json={"inputs": "world"})
+        metrics = (await client.get("/metrics")).text
     assert late.status_code == 504  # not 503: a load balancer must not run it again
     assert late.json()["error_type"] == "Timeout" and "timeout" in late.json()["error"]
+    # It and the held request (timed out under the gate) count as failures by their reason;
+    # the queue's wait histogram holds the one request answered.
+    assert 'embed_failures_total{reason="Timeout"} 2.0' in metrics
+    assert re.search(r"^embed_queue_duration_seconds_count\{[^}]*\} 1\.0$", metrics, re.M)
     fox = TINY_VOCAB.index("fox")
     assert not any(fox in ids for batch in gate.batches for ids in batch)
     assert after.status_code == 200
