@@ -1,11 +1,12 @@
 """How the split placement's supervisor tells its children to stop.
 
 A stop may reach every process of the server at once: systemd's default (`KillMode=
-control-group`) sends SIGTERM to each process of the service, and `kill` of a process group
-reaches all its members. A child that took such a signal and then the supervisor's own would
-count two signals, and skip its drain as an operator who signals twice asks. So the children
-leave SIGTERM and SIGINT to the supervisor and stop on its word alone: SUPERVISOR_STOP, which
-it sends once per stop signal it gets, and which a child also gets when the supervisor dies.
+control-group`) sends SIGTERM to each process of the service's cgroup, children included (a
+terminal's Ctrl-C does not: the children have process groups of their own). A child that
+took such a signal and then the supervisor's own would count two signals, and skip its drain
+as an operator who signals twice asks. So the children leave SIGTERM and SIGINT to the
+supervisor and stop on its word alone: SUPERVISOR_STOP, which it sends once per stop signal
+it gets, and which a child also gets when the supervisor dies.
 """
 
 from __future__ import annotations

@@ -197,9 +197,7 @@ class Supervisor:
             self.code = self.code or 128 + sig
         self.stopping.set()
         for process in self.frontends or self.engines:
-            if process.pid is not None and process.exitcode is None:
-                with contextlib.suppress(ProcessLookupError):  # exited, not yet reaped
-                    os.kill(process.pid, SUPERVISOR_STOP)
+            _tell_to_stop(process)
 
     def _start_engines(self) -> list[ModelCard] | None:
         """Every model's engines loaded and warmed up: each model's card (the same from
@@ -219,6 +217,8 @@ class Supervisor:
                 sending.close()
                 self.engines.append(process)
                 links.append(receiving)
+                if self.stopping.is_set():  # `_forward` ran before it was listed
+                    _tell_to_stop(process)
         cards: list[ModelCard] = []
         for number, (process, link) in enumerate(zip(self.engines, links, strict=True)):
             wait_for_any([link, process.sentinel])
@@ -252,9 +252,8 @@ class Supervisor:
             )
             process.start()
             self.frontends.append(process)
-            # A signal before this one had a pid skipped it in `_forward`: pass it on now.
-            if self.stopping.is_set():
-                os.kill(process.pid or 0, SUPERVISOR_STOP)
+            if self.stopping.is_set():  # `_forward` ran before it was listed
+                _tell_to_stop(process)
         log.info(
             "%d engine(s) for %d model(s) on %s, %d front end(s) on %s:%d",
             len(self.engines),
@@ -297,13 +296,18 @@ class Supervisor:
     @staticmethod
     def _stop(processes: list[SpawnProcess], drain: float = 0.0) -> None:
         for process in processes:
-            if process.pid is not None and process.exitcode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, SUPERVISOR_STOP)  # a drain
+            _tell_to_stop(process)  # a drain
         for process in processes:
             process.join(drain + STOP_MARGIN)
             if process.exitcode is None:
                 process.kill()
+
+
+def _tell_to_stop(process: SpawnProcess) -> None:
+    """SUPERVISOR_STOP to a child that has not exited."""
+    if process.pid is not None and process.exitcode is None:
+        with contextlib.suppress(ProcessLookupError):  # exited, not yet reaped
+            os.kill(process.pid, SUPERVISOR_STOP)
 
 
 def _shell_code(exitcode: int) -> int:

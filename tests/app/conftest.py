@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import multiprocessing
+import os
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -21,6 +22,7 @@ from app.engine.state import EngineBoard
 from app.main import create_app
 from app.service import EmbeddingService
 from app.settings import Settings
+from app.stop_signal import SUPERVISOR_STOP
 from app.supervisor import Shared, run_engine
 from model import Encoded, PendingOutput
 
@@ -83,8 +85,10 @@ def engine_processes(settings: Settings) -> Iterator[dict[str, RemoteEngine]]:
                 engines[each.name] = RemoteEngine(card, shared.model_dir(model), board, admission)
             yield engines
         finally:
+            for process in processes:  # as the supervisor stops them: they ignore SIGTERM
+                if process.pid is not None and process.exitcode is None:
+                    os.kill(process.pid, SUPERVISOR_STOP)
             for process in processes:
-                process.terminate()
                 process.join(30)
 
 
