@@ -178,7 +178,7 @@ class Supervisor:
         try:
             cards = self._start_engines()
             if cards is None or self.stopping.is_set():
-                self._stop(self.engines)
+                stop_children(self.engines)
                 return self.code
             self._start_frontends(cards)
             self._wait()
@@ -275,7 +275,7 @@ class Supervisor:
                 running.remove(process)
                 self._exited(process, drain)
             if not any(p in running for p in self.frontends):
-                self._stop([p for p in self.engines if p in running], drain)
+                stop_children([p for p in self.engines if p in running], drain)
 
     def _exited(self, process: SpawnProcess, drain: float) -> None:
         if process in self.engines and self.shared.cores is not None:
@@ -291,16 +291,18 @@ class Supervisor:
             log.error("%s exited with %d: stopping the others", process.name, process.exitcode)
             self.stopping.set()
             self.code = self.code or 1
-            self._stop([p for p in self.frontends if p.exitcode is None], drain)
+            stop_children([p for p in self.frontends if p.exitcode is None], drain)
 
-    @staticmethod
-    def _stop(processes: list[SpawnProcess], drain: float = 0.0) -> None:
-        for process in processes:
-            _tell_to_stop(process)  # a drain
-        for process in processes:
-            process.join(drain + STOP_MARGIN)
-            if process.exitcode is None:
-                process.kill()
+
+def stop_children(processes: list[SpawnProcess], drain: float = 0.0) -> None:
+    """Each child told to stop (a drain of up to `drain` seconds), then waited for; killed
+    past its margin."""
+    for process in processes:
+        _tell_to_stop(process)
+    for process in processes:
+        process.join(drain + STOP_MARGIN)
+        if process.exitcode is None:
+            process.kill()
 
 
 def _tell_to_stop(process: SpawnProcess) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import multiprocessing
-import os
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -22,8 +21,7 @@ from app.engine.state import EngineBoard
 from app.main import create_app
 from app.service import EmbeddingService
 from app.settings import Settings
-from app.stop_signal import SUPERVISOR_STOP
-from app.supervisor import Shared, run_engine
+from app.supervisor import Shared, run_engine, stop_children
 from model import Encoded, PendingOutput
 
 
@@ -85,11 +83,7 @@ def engine_processes(settings: Settings) -> Iterator[dict[str, RemoteEngine]]:
                 engines[each.name] = RemoteEngine(card, shared.model_dir(model), board, admission)
             yield engines
         finally:
-            for process in processes:  # as the supervisor stops them: they ignore SIGTERM
-                if process.pid is not None and process.exitcode is None:
-                    os.kill(process.pid, SUPERVISOR_STOP)
-            for process in processes:
-                process.join(30)
+            stop_children(processes)  # as the supervisor does: they ignore SIGTERM
 
 
 @contextmanager
