@@ -1,4 +1,4 @@
-"""The encoder's three CPU mechanisms, each forced on and off on the same batches.
+"""The encoder's CPU mechanisms, each forced on and off on the same batches.
 
 - Packing: position-wise layers on real tokens only, at several shares of padding
   (this is what sets model.packing.PACKING_MIN_PADDING).
@@ -11,16 +11,21 @@
 - What bounds one sentence's products: the model's float32 linear layers on 16 rows one after
   another as the model runs them, each alone with its weights hot in the caches, and the time
   to read all their weights once.
+- Attention with no mask where a batch has no padding (one sentence always), against the
+  same pass with its all-ones mask made and added, in each dtype this CPU runs.
 Usage: python -m bench.layers [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import random
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from unittest import mock
 
 import torch
@@ -29,6 +34,10 @@ from torch import nn
 from bench.encoder import make_texts
 from bench.workload import short_sentences
 from model import DEFAULT_MODEL_ID, Embedder, Encoded, packing, prepacked
+from model.attention import Mask
+from model.device import BF16_FLAGS, cpu_flags
+from model.int8 import int8_unavailable
+from model.packing import TokenLayout
 from model.prepacked import MklLinear, OnednnLinear, can_prepack
 
 PADDING_SHARES = (0.05, 0.10, 0.20, 0.40, 0.60)
@@ -131,6 +140,7 @@ def main() -> None:
     compare_prepacked(args.repeats)
     compare_layer_sizes(args.repeats)
     sentence_products(args.repeats)
+    compare_unmasked()
 
 
 def forward_each(embedder: Embedder, batches: list[list[Encoded]]) -> None:
@@ -255,6 +265,47 @@ def each_hot(layer: nn.Module, x: torch.Tensor, calls: int = 50) -> float:
         for _ in range(calls):
             layer(x)
     return (time.perf_counter() - started) / calls
+
+
+def compare_unmasked(sentences: int = 100, calls: int = 400) -> None:
+    """Each sentence run both ways in turn (the order alternating), medians: the difference is
+    a few percent, less than this machine drifts between separate runs."""
+    print("one sentence: attention with no mask against its all-ones mask added, per pass")
+    dtypes = ["float32"]
+    if cpu_flags().intersection(BF16_FLAGS):
+        dtypes.append("bfloat16")
+    if int8_unavailable(torch.device("cpu")) is None:
+        dtypes.append("int8")
+    for dtype in dtypes:
+        embedder = Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype=dtype)
+        batches = [embedder.tokenize([text]) for text in short_sentences(sentences, seed=4)]
+        seconds: dict[str, list[float]] = {"no mask": [], "mask": []}
+        for index in range(len(batches) + calls):  # the first round over them warms up
+            batch = batches[index % len(batches)]
+            for way in ("no mask", "mask") if index % 2 else ("mask", "no mask"):
+                with masked() if way == "mask" else nullcontext():
+                    started = time.perf_counter()
+                    embedder.forward(batch)
+                    if index >= len(batches):
+                        seconds[way].append(time.perf_counter() - started)
+        unmasked, mask = (statistics.median(seconds[way]) for way in ("no mask", "mask"))
+        print(
+            f"  {dtype:8}: no mask {unmasked * 1e3:.3f} ms, mask {mask * 1e3:.3f} ms "
+            f"({unmasked / mask:.3f}x)"
+        )
+
+
+@contextmanager
+def masked() -> Iterator[None]:
+    """Passes whose mask hides nothing still made and added, as for a padded batch."""
+    from_mask = TokenLayout.from_mask
+
+    def with_mask(attention_mask: torch.Tensor) -> TokenLayout:
+        layout = from_mask(attention_mask)
+        return dataclasses.replace(layout, key_mask=Mask(layout.key_mask.allowed))
+
+    with mock.patch.object(TokenLayout, "from_mask", with_mask):
+        yield
 
 
 if __name__ == "__main__":

@@ -58,21 +58,29 @@ class Mask:
     """Where queries may attend in one pass, shared by its layers: a boolean tensor
     broadcastable to (B, H, T, T), and what SDPA adds to the scores for it, made once per
     dtype on first use. Handed the boolean tensor, SDPA would convert it in every layer (two
-    `where` calls a layer, a few percent of one sentence's pass on a CPU)."""
+    `where` calls a layer, a few percent of one sentence's pass on a CPU).
 
-    __slots__ = ("_added", "_every_query_sees_a_key", "allowed")
+    `hides_nothing`: every key of every input may be attended to (a batch without padding,
+    which a single sentence always is), known where the mask was read anyway. Attention then
+    runs with no mask at all, which gives the same scores (adding zero is exact) without
+    making the mask or asking it whether a row is masked whole, several calls a pass."""
 
-    def __init__(self, allowed: Tensor) -> None:
+    __slots__ = ("_added", "_every_query_sees_a_key", "allowed", "hides_nothing")
+
+    def __init__(self, allowed: Tensor, *, hides_nothing: bool = False) -> None:
         self.allowed = allowed
+        self.hides_nothing = hides_nothing
         self._added: dict[torch.dtype, Tensor] = {}
-        self._every_query_sees_a_key: bool | None = None
+        self._every_query_sees_a_key: bool | None = True if hides_nothing else None
 
     def __and__(self, narrower: Tensor) -> Mask:
         """This mask further restricted (a sliding window, causality): a mask of its own."""
         return Mask(self.allowed & narrower)
 
-    def added(self, dtype: torch.dtype) -> Tensor:
-        """0 where a key may be attended to, -inf elsewhere."""
+    def added(self, dtype: torch.dtype) -> Tensor | None:
+        """0 where a key may be attended to, -inf elsewhere; None where that is everywhere."""
+        if self.hides_nothing:
+            return None
         if (added := self._added.get(dtype)) is None:
             added = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
             added.masked_fill_(~self.allowed, float("-inf"))
@@ -107,8 +115,11 @@ def attend(
     """
     allowed = mask.allowed
     factor = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+    added: Tensor | None
     if bias is None:
         added = mask.added(q.dtype)
+    elif mask.hides_nothing:
+        added = bias.to(q.dtype)
     else:
         added = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
     if _scores_at_once(q, k, mask):
@@ -142,14 +153,21 @@ def _scores_at_once(q: Tensor, k: Tensor, mask: Mask) -> bool:
     )
 
 
-def context_of_all_scores(q: Tensor, k: Tensor, v: Tensor, added: Tensor, scale: float) -> Tensor:
+def context_of_all_scores(
+    q: Tensor, k: Tensor, v: Tensor, added: Tensor | None, scale: float
+) -> Tensor:
     """(B, H, T, hd) context: softmax(q k^T x scale + added) v, as three batched steps."""
     batch, heads, width, depth = q.shape
     rows = batch * heads
+    if added is None:  # beta 0: nothing added, the very scores that adding zeros gives
+        grid, beta = q.new_zeros(()), 0.0
+    else:
+        grid, beta = added.expand(batch, heads, width, width).reshape(rows, width, width), 1.0
     scores = torch.baddbmm(
-        added.expand(batch, heads, width, width).reshape(rows, width, width),
+        grid,
         q.reshape(rows, width, depth),
         k.reshape(rows, width, depth).transpose(1, 2),
+        beta=beta,
         alpha=scale,
     )
     context = torch.bmm(scores.softmax(-1), v.reshape(rows, width, v.shape[-1]))

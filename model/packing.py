@@ -39,12 +39,17 @@ class TokenLayout:
     def from_mask(cls, attention_mask: Tensor) -> TokenLayout:
         batch, width = attention_mask.shape
         index = None
+        # On a GPU the mask is not read back (that would wait for the device): its layers
+        # always run on the grid, with the mask.
+        hides_nothing = False
         if attention_mask.device.type == "cpu":
             flat = attention_mask.reshape(-1).bool()
-            padding = 1 - int(flat.sum()) / max(flat.numel(), 1)
-            if padding >= PACKING_MIN_PADDING:
+            real = int(flat.sum())
+            hides_nothing = real == flat.numel()
+            if 1 - real / max(flat.numel(), 1) >= PACKING_MIN_PADDING:
                 index = flat.nonzero().squeeze(1)
-        return cls(batch, width, index, Mask(key_padding_mask(attention_mask)))
+        mask = Mask(key_padding_mask(attention_mask), hides_nothing=hides_nothing)
+        return cls(batch, width, index, mask)
 
     def pack(self, x: Tensor) -> Tensor:
         """(B, T, F) -> (N, F): the real tokens only (all B x T of them when unpacked)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from torch.profiler import profile
 
 from model import Embedder, attention
 from model.attention import SCORES_AT_ONCE_KEYS, Mask, attend, key_padding_mask, sliding_window
+from model.packing import TokenLayout
 
 T = TypeVar("T")
 # The two ways to a context.
@@ -56,11 +58,67 @@ def qkv(
 def test_a_mask_adds_zero_where_a_key_is_allowed_and_minus_infinity_elsewhere() -> None:
     mask = Mask(key_padding_mask(torch.tensor([[1, 1, 0], [1, 0, 0]])))
     added = mask.added(torch.bfloat16)
+    assert added is not None
     assert added.dtype == torch.bfloat16 and added.shape == (2, 1, 1, 3)
     assert added[mask.allowed].eq(0).all() and added[~mask.allowed].eq(float("-inf")).all()
     assert mask.added(torch.bfloat16) is added  # made once per dtype
     narrower = mask & torch.tensor([True, False, True])
-    assert narrower.added(torch.float32)[0, 0, 0].tolist() == [0.0, float("-inf"), float("-inf")]
+    narrowed = narrower.added(torch.float32)
+    assert narrowed is not None
+    assert narrowed[0, 0, 0].tolist() == [0.0, float("-inf"), float("-inf")]
+
+
+def test_a_batch_without_padding_has_a_mask_that_hides_nothing() -> None:
+    """Known from the mask the layout reads anyway (the packing decision): nothing to add,
+    and no row masked whole, without asking the tensor. A narrower mask hides again."""
+    full = TokenLayout.from_mask(torch.ones(2, 5, dtype=torch.long)).key_mask
+    padded = TokenLayout.from_mask(torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])).key_mask
+    assert full.hides_nothing and full.added(torch.float32) is None
+    assert full.every_query_sees_a_key
+    assert not padded.hides_nothing and padded.added(torch.float32) is not None
+    causal = full & torch.ones(5, 5, dtype=torch.bool).tril()
+    assert not causal.hides_nothing and causal.added(torch.float32) is not None
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # the flash kernel, every score at once
+@pytest.mark.parametrize("biased", [False, True])
+def test_a_mask_that_hides_nothing_gives_the_context_of_one_that_adds_zeros(
+    threads: int, biased: bool
+) -> None:
+    q, k, v = qkv(2, 3, 9)
+    allowed = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    bias = torch.randn(1, 3, 9, 9) if biased else None
+    unmasked = Mask(allowed, hides_nothing=True)
+    with torch_threads(threads):
+        (context, _), calls = profiled(lambda: attend(q, k, v, unmasked, bias=bias))
+        expected, _ = attend(q, k, v, Mask(allowed), bias=bias)
+        _, maps = attend(q, k, v, unmasked, bias=bias, map_heads=(0, 2))
+        _, expected_maps = attend(q, k, v, Mask(allowed), bias=bias, map_heads=(0, 2))
+    assert "aten::masked_fill" not in calls and "aten::any" not in calls
+    assert calls.get(AT_ONCE if threads > 1 else FLASH) == 1
+    assert (context - expected).abs().max() < 1e-6
+    assert maps is not None and expected_maps is not None and torch.equal(maps, expected_maps)
+
+
+def test_a_model_pass_without_padding_makes_no_mask_and_gives_the_same_vectors(
+    tiny_embedder: Embedder,
+) -> None:
+    """One sentence, or sentences of one length: the padding mask is never made; the
+    vectors are those of the masked pass."""
+    batch = tiny_embedder.tokenize(["hello world fox", "fox hello world"])
+    assert len({len(e.ids) for e in batch}) == 1
+    unmasked, calls = profiled(lambda: tiny_embedder.forward(batch))
+    assert "aten::masked_fill_" not in calls and "aten::any" not in calls
+
+    def masked_layout(attention_mask: torch.Tensor) -> TokenLayout:
+        layout = from_mask(attention_mask)
+        return dataclasses.replace(layout, key_mask=Mask(layout.key_mask.allowed))
+
+    from_mask = TokenLayout.from_mask
+    with mock.patch.object(TokenLayout, "from_mask", masked_layout):
+        masked, calls = profiled(lambda: tiny_embedder.forward(batch))
+    assert calls.get("aten::masked_fill_") == 1
+    assert (unmasked.pooled - masked.pooled).abs().max() < 1e-6
 
 
 def test_a_pass_converts_its_padding_mask_once_not_in_every_layer(
@@ -117,6 +175,7 @@ def test_short_inputs_on_a_cpu_take_every_score_at_once_and_agree_with_sdpa(widt
         (context, maps), calls = profiled(functools.partial(call, map_heads=(1, 2)))
         assert calls.get(AT_ONCE) == 1 and FLASH not in calls
         added = mask.added(q.dtype)
+        assert added is not None
         if position_bias is not None:
             added = position_bias.masked_fill(~mask.allowed, float("-inf"))
         expected = torch.nn.functional.scaled_dot_product_attention(
