@@ -35,7 +35,7 @@ from bench.encoder import make_texts
 from bench.workload import short_sentences
 from model import DEFAULT_MODEL_ID, Embedder, Encoded, packing, prepacked
 from model.attention import Mask
-from model.device import BF16_FLAGS, cpu_flags
+from model.device import resolve_dtype
 from model.int8 import int8_unavailable
 from model.packing import TokenLayout
 from model.prepacked import MklLinear, OnednnLinear, can_prepack
@@ -271,10 +271,11 @@ def compare_unmasked(sentences: int = 100, calls: int = 400) -> None:
     """Each sentence run both ways in turn (the order alternating), medians: the difference is
     a few percent, less than this machine drifts between separate runs."""
     print("one sentence: attention with no mask against its all-ones mask added, per pass")
+    cpu = torch.device("cpu")
     dtypes = ["float32"]
-    if cpu_flags().intersection(BF16_FLAGS):
+    if resolve_dtype("auto", cpu).dtype == torch.bfloat16:  # where the CPU computes it
         dtypes.append("bfloat16")
-    if int8_unavailable(torch.device("cpu")) is None:
+    if int8_unavailable(cpu) is None:
         dtypes.append("int8")
     for dtype in dtypes:
         embedder = Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype=dtype)

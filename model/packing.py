@@ -44,9 +44,9 @@ class TokenLayout:
         hides_nothing = False
         if attention_mask.device.type == "cpu":
             flat = attention_mask.reshape(-1).bool()
-            real = int(flat.sum())
-            hides_nothing = real == flat.numel()
-            if 1 - real / max(flat.numel(), 1) >= PACKING_MIN_PADDING:
+            padded = flat.numel() - int(flat.sum())
+            hides_nothing = padded == 0
+            if padded >= PACKING_MIN_PADDING * flat.numel():
                 index = flat.nonzero().squeeze(1)
         mask = Mask(key_padding_mask(attention_mask), hides_nothing=hides_nothing)
         return cls(batch, width, index, mask)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,6 +12,7 @@ import pytest
 import torch
 from torch.profiler import profile
 
+from bench.layers import masked
 from model import Embedder, attention
 from model.attention import SCORES_AT_ONCE_KEYS, Mask, attend, key_padding_mask, sliding_window
 from model.packing import TokenLayout
@@ -20,6 +20,9 @@ from model.packing import TokenLayout
 T = TypeVar("T")
 # The two ways to a context.
 FLASH, AT_ONCE = "aten::scaled_dot_product_attention", "aten::baddbmm"
+# What making a padding mask and asking it for a row masked whole run (Mask.added and
+# Mask.every_query_sees_a_key); attention maps mask their own scores (`masked_fill`).
+MASK_MAKING = {"aten::masked_fill_", "aten::any"}
 
 
 @contextmanager
@@ -94,9 +97,9 @@ def test_a_mask_that_hides_nothing_gives_the_context_of_one_that_adds_zeros(
         expected, _ = attend(q, k, v, Mask(allowed), bias=bias)
         _, maps = attend(q, k, v, unmasked, bias=bias, map_heads=(0, 2))
         _, expected_maps = attend(q, k, v, Mask(allowed), bias=bias, map_heads=(0, 2))
-    assert "aten::masked_fill" not in calls and "aten::any" not in calls
+    assert not MASK_MAKING.intersection(calls)
     assert calls.get(AT_ONCE if threads > 1 else FLASH) == 1
-    assert (context - expected).abs().max() < 1e-6
+    assert torch.equal(context, expected)
     assert maps is not None and expected_maps is not None and torch.equal(maps, expected_maps)
 
 
@@ -108,17 +111,11 @@ def test_a_model_pass_without_padding_makes_no_mask_and_gives_the_same_vectors(
     batch = tiny_embedder.tokenize(["hello world fox", "fox hello world"])
     assert len({len(e.ids) for e in batch}) == 1
     unmasked, calls = profiled(lambda: tiny_embedder.forward(batch))
-    assert "aten::masked_fill_" not in calls and "aten::any" not in calls
-
-    def masked_layout(attention_mask: torch.Tensor) -> TokenLayout:
-        layout = from_mask(attention_mask)
-        return dataclasses.replace(layout, key_mask=Mask(layout.key_mask.allowed))
-
-    from_mask = TokenLayout.from_mask
-    with mock.patch.object(TokenLayout, "from_mask", masked_layout):
-        masked, calls = profiled(lambda: tiny_embedder.forward(batch))
+    assert not MASK_MAKING.intersection(calls)
+    with masked():
+        with_mask, calls = profiled(lambda: tiny_embedder.forward(batch))
     assert calls.get("aten::masked_fill_") == 1
-    assert (unmasked.pooled - masked.pooled).abs().max() < 1e-6
+    assert torch.equal(unmasked.pooled, with_mask.pooled)
 
 
 def test_a_pass_converts_its_padding_mask_once_not_in_every_layer(
