@@ -1,15 +1,16 @@
 """Attention on a CPU: torch's flash kernel against every score at once (model/attention.py).
 
 1. The kernels alone, on (B, 12, T, 32) queries, keys and values as the default model's
-   layers make them (views of one (B, T, 3 x 12 x 32) projection), with a padding mask, the
+   layers make them (views of one (B, T, 3 x 12 x 32) projection), with a padding mask (the
+   scores at once over keys padded to model.attention.KEY_LANES, as the model runs them), the
    heads merged back into (B, T, 12 x 32) after: on each thread count, the time of every
    score at once over the flash kernel's, for batches of B inputs T tokens long (below 1:
    the scores at once are faster). What sets SCORES_AT_ONCE_KEYS.
-2. The default model, on `--threads`, in each dtype: batches of 32 short sentences, one
-   sentence, and 8 long passages (past the limit: both take the flash kernel, a check on the
-   drift), with the limit as it is and at 0 (the flash kernel always), alternating in one
-   process; each one's median ms per call and the ratio of the medians. (On one thread both
-   take the flash kernel: the ratio is then the drift alone.)
+2. The default model, on one thread and on `--threads`, in each dtype: batches of 32 short
+   sentences, one sentence, and 8 long passages (past the limits: both take the flash
+   kernel, a check on the drift), with the limits as they are and at 0 (the flash kernel
+   always), alternating in one process; each one's median ms per call and the ratio of the
+   medians.
 Usage: python -m bench.attention [--threads 2] [--dtypes float32 int8] [--rounds 6]
 """
 
@@ -19,6 +20,8 @@ import argparse
 import functools
 import math
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from unittest import mock
 
 import torch
@@ -29,10 +32,11 @@ from bench.products import median_ms
 from bench.side_by_side import turns
 from bench.workload import long_passages, short_sentences
 from model import DEFAULT_MODEL_ID, Embedder, attention
-from model.attention import Mask, context_of_all_scores, key_padding_mask
+from model.attention import Mask, context_of_all_scores, key_padding_mask, padded_keys
 
 BATCHES = (1, 4, 16, 32, 64)
-WIDTHS = (8, 16, 32, 48, 64, 96)
+# Widths off multiples of 16 too: those pad their keys (model.attention.KEY_LANES).
+WIDTHS = (8, 13, 16, 24, 31, 48, 64, 96)
 HEADS, DEPTH = 12, 32
 
 
@@ -43,7 +47,8 @@ def kernel_ratio(batch: int, width: int) -> float:
     q, k, v = projected.transpose(1, 2).chunk(3, dim=1)
     lengths = torch.randint(max(1, width // 2), width + 1, (batch,), generator=numbers)
     lengths[0] = width
-    added = Mask(key_padding_mask((torch.arange(width) < lengths[:, None]).long())).added(q.dtype)
+    mask = Mask(key_padding_mask((torch.arange(width) < lengths[:, None]).long()))
+    added, padded = mask.added(q.dtype), mask.added(q.dtype, padded_keys(width))
     calls = max(3, 3000 // (batch * (width * width // 64 + 4)))
     scale = 1 / math.sqrt(DEPTH)
 
@@ -51,7 +56,7 @@ def kernel_ratio(batch: int, width: int) -> float:
         return merged(F.scaled_dot_product_attention(q, k, v, attn_mask=added, scale=scale))
 
     def at_once() -> Tensor:
-        return merged(context_of_all_scores(q, k, v, added, scale))
+        return merged(context_of_all_scores(q, k, v, padded, scale))
 
     with torch.inference_mode():
         return median_ms(at_once, calls) / median_ms(flash, calls)
@@ -80,19 +85,32 @@ def encoder(dtype: str, threads: int, rounds: int) -> None:
         "1 short": (short_sentences(1, seed=2), 30),
         "8 long": (long_passages(8, seed=3), 2),
     }
-    limits = {"as it is": attention.SCORES_AT_ONCE_KEYS, "flash always": 0}
+    ways = {
+        "as it is": (attention.SCORES_AT_ONCE_KEYS, attention.SCORES_AT_ONCE_KEYS_ONE_THREAD),
+        "flash always": (0, 0),
+    }
     print(f"\nthe default model, {dtype}, {threads} thread(s): median ms per call")
     for load, (texts, calls) in loads.items():
-        times: dict[str, list[float]] = {name: [] for name in limits}
+        times: dict[str, list[float]] = {name: [] for name in ways}
         call = functools.partial(embedder.embed, texts)
         for index in range(rounds):
-            for name in turns(list(limits), index):
-                with mock.patch.object(attention, "SCORES_AT_ONCE_KEYS", limits[name]):
+            for name in turns(list(ways), index):
+                with limits(*ways[name]):
                     times[name].append(median_ms(call, calls))
         medians = {name: statistics.median(values) for name, values in times.items()}
         figures = ", ".join(f"{name} {ms:.2f}" for name, ms in medians.items())
         ratio = medians["as it is"] / medians["flash always"]
         print(f"{load:>9}: {figures}; as it is / flash always {ratio:.2f}x", flush=True)
+
+
+@contextmanager
+def limits(keys: int, one_thread: int) -> Iterator[None]:
+    """model.attention's limits for every score at once, on two threads and on one."""
+    with (
+        mock.patch.object(attention, "SCORES_AT_ONCE_KEYS", keys),
+        mock.patch.object(attention, "SCORES_AT_ONCE_KEYS_ONE_THREAD", one_thread),
+    ):
+        yield
 
 
 def main() -> None:
@@ -101,10 +119,12 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "int8"])
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
-    for threads in sorted({1, args.threads}):
+    thread_counts = sorted({1, args.threads})
+    for threads in thread_counts:
         kernels(threads)
     for dtype in args.dtypes:
-        encoder(dtype, args.threads, args.rounds)
+        for threads in thread_counts:
+            encoder(dtype, threads, args.rounds)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,10 @@ padded *keys* and broadcasts as (B, 1, 1, T) over heads and queries. An architec
 restricts attention further (ModernBERT's sliding window) passes a narrower boolean mask that
 still broadcasts to (B, H, T, T); one that adds a position bias (MPNet) passes it as `bias`.
 
-The context comes from `scaled_dot_product_attention`, or, on a CPU running more than one
-thread, for short float32 inputs with no query masked whole, from every score at once
-(`SCORES_AT_ONCE_KEYS`); either way asking for attention maps never changes the hidden
-states. The maps are computed beside it, from the same scores, for the heads asked for only.
+The context comes from `scaled_dot_product_attention`, or, on a CPU, for short float32
+inputs with no query masked whole, from every score at once (`SCORES_AT_ONCE_KEYS`, over keys
+padded to `KEY_LANES`); either way asking for attention maps never changes the hidden states.
+The maps are computed beside it, from the same scores, for the heads asked for only.
 """
 
 from __future__ import annotations
@@ -21,12 +21,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# On a CPU with more than one thread, torch's flash kernel works through each sequence and
-# head on its own, in blocks, and on short inputs that costs more than computing all the
-# scores at once: one batched product, a softmax, one more product. Up to this many keys
-# that measured faster on two threads, and mostly slower on one (`python -m bench.attention`;
+# On a CPU torch's flash kernel works through each sequence and head on its own, in blocks,
+# and on short inputs that costs more than computing all the scores at once: one batched
+# product, a softmax, one more product. Up to this many keys that measured faster on two
+# threads; on one thread, up to SCORES_AT_ONCE_KEYS_ONE_THREAD (`python -m bench.attention`;
 # docs/benchmarks.md). The scores take B x H x T x T floats.
 SCORES_AT_ONCE_KEYS = 48
+SCORES_AT_ONCE_KEYS_ONE_THREAD = 32
+# torch's softmax over a last dimension runs whole vectors of it at once and the rest one
+# value at a time, at many times the cost: over 13 keys it took about 8x as long as over 16.
+# So every score at once over fewer keys than this (one AVX-512 vector of floats, two AVX2
+# ones), but at least half as many, runs over this many, the padding's scores -inf: the
+# softmax gives them exact zeros, and they are dropped before the context. Fewer keys, or
+# more (whose rest past whole vectors is a smaller share), measured no faster padded
+# (`python -m bench.attention`; docs/benchmarks.md).
+KEY_LANES = 16
 
 
 def key_padding_mask(attention_mask: Tensor) -> Tensor:
@@ -70,21 +79,28 @@ class Mask:
     def __init__(self, allowed: Tensor, *, hides_nothing: bool = False) -> None:
         self.allowed = allowed
         self.hides_nothing = hides_nothing
-        self._added: dict[torch.dtype, Tensor] = {}
+        self._added: dict[tuple[torch.dtype, int], Tensor] = {}
         self._every_query_sees_a_key: bool | None = True if hides_nothing else None
 
     def __and__(self, narrower: Tensor) -> Mask:
         """This mask further restricted (a sliding window, causality): a mask of its own."""
         return Mask(self.allowed & narrower)
 
-    def added(self, dtype: torch.dtype) -> Tensor | None:
-        """0 where a key may be attended to, -inf elsewhere; None where that is everywhere."""
-        if self.hides_nothing:
+    def added(self, dtype: torch.dtype, keys: int | None = None) -> Tensor | None:
+        """0 where a key may be attended to, -inf elsewhere; None where that is everywhere.
+        `keys` past the mask's own width: that many columns, the ones past it -inf (keys
+        padded for the softmax, which no query may attend to)."""
+        width = self.allowed.shape[-1]
+        keys = keys or width
+        if self.hides_nothing and keys == width:
             return None
-        if (added := self._added.get(dtype)) is None:
-            added = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
-            added.masked_fill_(~self.allowed, float("-inf"))
-            self._added[dtype] = added
+        if (added := self._added.get((dtype, keys))) is None:
+            shape = (*self.allowed.shape[:-1], keys)
+            added = torch.zeros(shape, dtype=dtype, device=self.allowed.device)
+            if not self.hides_nothing:
+                added[..., :width].masked_fill_(~self.allowed, float("-inf"))
+            added[..., width:] = float("-inf")
+            self._added[(dtype, keys)] = added
         return added
 
     @property
@@ -115,16 +131,11 @@ def attend(
     """
     allowed = mask.allowed
     factor = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
-    added: Tensor | None
-    if bias is None:
-        added = mask.added(q.dtype)
-    elif mask.hides_nothing:
-        added = bias.to(q.dtype)
-    else:
-        added = bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
     if _scores_at_once(q, k, mask):
-        context = context_of_all_scores(q, k, v, added, factor)
+        keys = padded_keys(k.shape[-2])
+        context = context_of_all_scores(q, k, v, _added(mask, bias, q.dtype, keys), factor)
     else:
+        added = _added(mask, bias, q.dtype)
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=added, scale=scale)
     if map_heads is None:
         return context, None
@@ -142,33 +153,59 @@ def attend(
 
 def _scores_at_once(q: Tensor, k: Tensor, mask: Mask) -> bool:
     """Where every score at once is the faster way to the context (`SCORES_AT_ONCE_KEYS`):
-    float32 on a CPU's threads, short inputs, and no query whose keys are all masked. Only
-    the mask is asked: a position bias (MPNet's, ALiBi's) is finite everywhere."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and q.shape[-2] == k.shape[-2] <= SCORES_AT_ONCE_KEYS
-        and torch.get_num_threads() > 1
-        and mask.every_query_sees_a_key
-    )
+    float32 on a CPU, short inputs, and no query whose keys are all masked. Only the mask is
+    asked: a position bias (MPNet's, ALiBi's) is finite everywhere."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[-2] != k.shape[-2]:
+        return False
+    limit = SCORES_AT_ONCE_KEYS if torch.get_num_threads() > 1 else SCORES_AT_ONCE_KEYS_ONE_THREAD
+    return k.shape[-2] <= limit and mask.every_query_sees_a_key
+
+
+def padded_keys(width: int) -> int:
+    """The keys every score at once runs over for `width` of them (`KEY_LANES`)."""
+    return KEY_LANES if KEY_LANES // 2 <= width < KEY_LANES else width
+
+
+def _added(
+    mask: Mask, bias: Tensor | None, dtype: torch.dtype, keys: int | None = None
+) -> Tensor | None:
+    """What the scores get added: the mask's, or the bias with the mask's -inf, over `keys`
+    columns (`Mask.added`)."""
+    if bias is None:
+        return mask.added(dtype, keys)
+    added = bias.to(dtype)
+    if not mask.hides_nothing:
+        added = added.masked_fill(~mask.allowed, float("-inf"))
+    width = added.shape[-1]
+    if keys is None or keys == width:
+        return added
+    return F.pad(added, (0, keys - width), value=float("-inf"))
 
 
 def context_of_all_scores(
     q: Tensor, k: Tensor, v: Tensor, added: Tensor | None, scale: float
 ) -> Tensor:
-    """(B, H, T, hd) context: softmax(q k^T x scale + added) v, as three batched steps."""
+    """(B, H, T, hd) context: softmax(q k^T x scale + added) v, as three batched steps.
+    `added` may run over more keys than `k` has (`Mask.added`'s padding): `k` is padded with
+    zeros to as many, and their probabilities, exact zeros, dropped before the context."""
     batch, heads, width, depth = q.shape
     rows = batch * heads
+    keys = width if added is None else added.shape[-1]
+    if keys > width:  # one copy, as the reshape below would make of the view anyway
+        k = F.pad(k, (0, 0, 0, keys - width))
     if added is None:  # beta 0: nothing added, the very scores that adding zeros gives
         grid, beta = q.new_zeros(()), 0.0
     else:
-        grid, beta = added.expand(batch, heads, width, width).reshape(rows, width, width), 1.0
+        grid, beta = added.expand(batch, heads, width, keys).reshape(rows, width, keys), 1.0
     scores = torch.baddbmm(
         grid,
         q.reshape(rows, width, depth),
-        k.reshape(rows, width, depth).transpose(1, 2),
+        k.reshape(rows, keys, depth).transpose(1, 2),
         beta=beta,
         alpha=scale,
     )
-    context = torch.bmm(scores.softmax(-1), v.reshape(rows, width, v.shape[-1]))
+    probs = scores.softmax(-1)
+    if keys > width:
+        probs = probs[..., :width]
+    context = torch.bmm(probs, v.reshape(rows, width, v.shape[-1]))
     return context.view(batch, heads, width, v.shape[-1])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,7 +15,14 @@ from torch.profiler import profile
 
 from bench.layers import masked
 from model import Embedder, attention
-from model.attention import SCORES_AT_ONCE_KEYS, Mask, attend, key_padding_mask, sliding_window
+from model.attention import (
+    SCORES_AT_ONCE_KEYS,
+    SCORES_AT_ONCE_KEYS_ONE_THREAD,
+    Mask,
+    attend,
+    key_padding_mask,
+    sliding_window,
+)
 from model.packing import TokenLayout
 
 T = TypeVar("T")
@@ -50,6 +58,16 @@ def profiled(call: Callable[[], T]) -> tuple[T, dict[str, int]]:
     return result, {event.key: event.count for event in run.key_averages()}
 
 
+@contextmanager
+def flash_always() -> Iterator[None]:
+    """The flash kernel on every thread count."""
+    with (
+        mock.patch.object(attention, "SCORES_AT_ONCE_KEYS", 0),
+        mock.patch.object(attention, "SCORES_AT_ONCE_KEYS_ONE_THREAD", 0),
+    ):
+        yield
+
+
 def qkv(
     batch: int, heads: int, width: int, dtype: torch.dtype = torch.float32
 ) -> list[torch.Tensor]:
@@ -71,6 +89,45 @@ def test_a_mask_adds_zero_where_a_key_is_allowed_and_minus_infinity_elsewhere() 
     assert narrowed[0, 0, 0].tolist() == [0.0, float("-inf"), float("-inf")]
 
 
+def test_a_mask_over_padded_keys_adds_minus_infinity_past_its_own() -> None:
+    """The columns every score at once pads its keys with (model.attention.KEY_LANES): no
+    query may attend to them, whether or not the mask hides anything of its own."""
+    mask = Mask(key_padding_mask(torch.tensor([[1, 1, 0], [1, 0, 0]])))
+    added, own = mask.added(torch.float32, 5), mask.added(torch.float32)
+    assert added is not None and own is not None and added.shape == (2, 1, 1, 5)
+    assert torch.equal(added[..., :3], own)
+    assert added[..., 3:].eq(float("-inf")).all()
+    assert mask.added(torch.float32, 5) is added  # made once per dtype and width
+    whole = Mask(torch.ones(1, 1, 1, 3, dtype=torch.bool), hides_nothing=True)
+    assert whole.added(torch.float32) is None and whole.added(torch.float32, 3) is None
+    padded = whole.added(torch.float32, 5)
+    assert padded is not None
+    assert padded[0, 0, 0].tolist() == [0.0, 0.0, 0.0, float("-inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("width", "keys"), [(7, 7), (8, 16), (13, 16), (16, 16), (17, 17)])
+def test_every_score_at_once_runs_its_softmax_over_a_whole_vector_of_keys(
+    threads: int, width: int, keys: int
+) -> None:
+    """torch's softmax takes the rest past whole vectors one value at a time, much slower:
+    from half a vector's keys to one, they are padded to a whole one (16), and the context is
+    the flash kernel's."""
+    q, k, v = qkv(2, 3, width)
+    mask = Mask(key_padding_mask((torch.arange(width) < torch.tensor([[width], [3]])).long()))
+    with torch_threads(threads), profile(record_shapes=True) as run:
+        context, _ = attend(q, k, v, mask)
+    softmax = [
+        event
+        for event in run.key_averages(group_by_input_shape=True)
+        if event.key == "aten::softmax"
+    ]
+    assert [event.input_shapes[0] for event in softmax] == [[6, width, keys]]
+    with torch_threads(threads), flash_always():
+        expected, _ = attend(q, k, v, mask)
+    assert (context - expected).abs().max() < 1e-5
+
+
 def test_a_batch_without_padding_has_a_mask_that_hides_nothing() -> None:
     """Known from the mask the layout reads anyway (the packing decision): nothing to add,
     and no row masked whole, without asking the tensor. A narrower mask hides again."""
@@ -83,22 +140,23 @@ def test_a_batch_without_padding_has_a_mask_that_hides_nothing() -> None:
     assert not causal.hides_nothing and causal.added(torch.float32) is not None
 
 
-@pytest.mark.parametrize("threads", [1, 2])  # the flash kernel, every score at once
+@pytest.mark.parametrize("way", [FLASH, AT_ONCE])
+@pytest.mark.parametrize("width", [9, 16])  # keys padded for the softmax, and not
 @pytest.mark.parametrize("biased", [False, True])
 def test_a_mask_that_hides_nothing_gives_the_context_of_one_that_adds_zeros(
-    threads: int, biased: bool
+    way: str, width: int, biased: bool
 ) -> None:
-    q, k, v = qkv(2, 3, 9)
-    allowed = torch.ones(2, 1, 1, 9, dtype=torch.bool)
-    bias = torch.randn(1, 3, 9, 9) if biased else None
+    q, k, v = qkv(2, 3, width)
+    allowed = torch.ones(2, 1, 1, width, dtype=torch.bool)
+    bias = torch.randn(1, 3, width, width) if biased else None
     unmasked = Mask(allowed, hides_nothing=True)
-    with torch_threads(threads):
+    with flash_always() if way == FLASH else contextlib.nullcontext():
         (context, _), calls = profiled(lambda: attend(q, k, v, unmasked, bias=bias))
         expected, _ = attend(q, k, v, Mask(allowed), bias=bias)
         _, maps = attend(q, k, v, unmasked, bias=bias, map_heads=(0, 2))
         _, expected_maps = attend(q, k, v, Mask(allowed), bias=bias, map_heads=(0, 2))
     assert not MASK_MAKING.intersection(calls)
-    assert calls.get(AT_ONCE if threads > 1 else FLASH) == 1
+    assert calls.get(way) == 1
     assert torch.equal(context, expected)
     assert maps is not None and expected_maps is not None and torch.equal(maps, expected_maps)
 
@@ -208,8 +266,12 @@ def test_the_flash_kernel_keeps_what_every_score_at_once_does_not_win_or_cannot_
     assert context[1].eq(0).all() and context[0].isfinite().all()
 
 
-def test_one_thread_keeps_the_flash_kernel() -> None:
-    q, k, v = qkv(4, 4, 8)
-    with torch_threads(1):
-        _, calls = profiled(lambda: attend(q, k, v, Mask(torch.ones(4, 1, 1, 8, dtype=torch.bool))))
-    assert AT_ONCE not in calls and calls[FLASH] == 1
+def test_one_thread_takes_every_score_at_once_on_fewer_keys() -> None:
+    """On one thread the flash kernel wins sooner: past SCORES_AT_ONCE_KEYS_ONE_THREAD."""
+    assert SCORES_AT_ONCE_KEYS_ONE_THREAD < SCORES_AT_ONCE_KEYS
+    for width, way in ((SCORES_AT_ONCE_KEYS_ONE_THREAD, AT_ONCE), (SCORES_AT_ONCE_KEYS, FLASH)):
+        q, k, v = qkv(4, 4, width)
+        every = Mask(torch.ones(4, 1, 1, width, dtype=torch.bool))
+        with torch_threads(1):
+            _, calls = profiled(functools.partial(attend, q, k, v, every))
+        assert calls.get(way) == 1 and len({FLASH, AT_ONCE}.intersection(calls)) == 1
