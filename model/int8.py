@@ -64,14 +64,15 @@ class Int8Linear(FrozenLinear):
             self.packed = torch.ops.quantized.linear_prepack(quantized, bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, self.in_features)
+        # The encoders' tokens come packed, (N, D): no reshape either way, whose call costs
+        # more than the smallest products here.
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         # With subclass dispatch on, torch asks every argument for `__torch_function__`; the
         # packed weight (a ScriptObject) answers by throwing a C++ exception, caught again,
         # which cost 40% of a small call. Plain tensors go in, so nothing is lost.
         with torch._C.DisableTorchFunctionSubclass():
-            out = torch.ops.quantized.linear_dynamic(flat, self.packed, False)
-        result: Tensor = out.reshape(*x.shape[:-1], self.out_features)
-        return result
+            out: Tensor = torch.ops.quantized.linear_dynamic(flat, self.packed, False)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, int8 (weights within +-{self.levels})"

@@ -66,11 +66,13 @@ class TokenLayout:
 
     def heads(self, x: Tensor, num_heads: int) -> Tensor:
         """(N, D) packed -> (B, H, T, D / H), the grid attention runs on."""
-        return self.unpack(x).view(self.batch, self.width, num_heads, -1).transpose(1, 2)
+        grid = x if self.index is None else self.unpack(x)  # a view of x either way unpacked
+        return grid.view(self.batch, self.width, num_heads, -1).transpose(1, 2)
 
     def merge_heads(self, x: Tensor) -> Tensor:
         """(B, H, T, hd) -> (N, H x hd) packed."""
-        return self.pack(x.transpose(1, 2).reshape(self.batch, self.width, -1))
+        flat = x.transpose(1, 2).reshape(self.batch * self.width, -1)
+        return flat if self.index is None else flat.index_select(0, self.index)
 
 
 # Tokens whose feed-forward runs at once on the CPU: the 4x-wide intermediate then stays in
