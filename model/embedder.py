@@ -12,6 +12,7 @@ from torch import Tensor
 
 from model.architectures import Encoder
 from model.attention import MapRequest
+from model.bound import bind_attributes
 from model.codec import TextCodec
 from model.cuda_graphs import GraphedForward, IntGrid, padded_batch, wait_for
 from model.device import DtypeChoice, cpu_flags, resolve_device, resolve_dtype
@@ -118,6 +119,8 @@ class Embedder:
             self.quantized = quantize_linears(network, weight_levels(cpu_flags()))
         elif prepack and can_prepack(self.device, first.dtype):
             self.prepacked = prepack_linears(network)
+        # Last, once the layers are swapped: what each pass reads, found at once.
+        bind_attributes(network, head)
 
     @classmethod
     def load(
@@ -314,7 +317,10 @@ class Embedder:
     def share_weights(self, store: WeightStore) -> bool:
         """Hold the weights in `store`, shared with the other processes of one server on a
         CPU (model/shared_weights.py); False where they stay private (a GPU's, for one)."""
-        return store.adopt([self.network, self.head])
+        if not store.adopt([self.network, self.head]):
+            return False
+        bind_attributes(self.network, self.head)  # the shared twins, set in place of the own
+        return True
 
     def embed(
         self,
