@@ -35,6 +35,11 @@ FULL_LEVELS = 127
 # `reduce_range`, whose one scale covers a whole tensor): all-MiniLM-L6-v2 measured much
 # closer to float32 so (docs/benchmarks.md).
 NARROW_LEVELS = 63
+# The op itself, as torch.ops' wrapper calls it. The wrapper of an op that takes a packed
+# object first walks every argument in Python for the fake objects torch.compile traces with,
+# none of which an inference pass has: that walk was 8% of the instructions of a small
+# model's int8 pass (docs/benchmarks.md).
+LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default._op
 
 
 @contextmanager
@@ -71,7 +76,7 @@ class Int8Linear(FrozenLinear):
         # packed weight (a ScriptObject) answers by throwing a C++ exception, caught again,
         # which cost 40% of a small call. Plain tensors go in, so nothing is lost.
         with torch._C.DisableTorchFunctionSubclass():
-            out: Tensor = torch.ops.quantized.linear_dynamic(flat, self.packed, False)
+            out: Tensor = LINEAR_DYNAMIC(flat, self.packed, False)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

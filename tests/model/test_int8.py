@@ -116,6 +116,28 @@ def test_a_call_never_asks_the_packed_weight_for_torch_function(
 
 
 @needs_int8
+def test_a_call_runs_the_public_ops_product_without_its_python_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The op under torch.ops' wrapper, without the wrapper's search of every argument for
+    torch.compile's fake objects (model/int8.py)."""
+    layer = Int8Linear(nn.Linear(16, 8), NARROW_LEVELS)
+    walks: list[object] = []
+    walk = torch._ops._must_dispatch_in_python
+
+    def counted(*arguments: object) -> bool:
+        walks.append(arguments)
+        return bool(walk(*arguments))
+
+    monkeypatch.setattr(torch._ops, "_must_dispatch_in_python", counted)
+    x = torch.randn(3, 16)
+    ours = layer(x)
+    assert walks == []
+    assert torch.equal(ours, torch.ops.quantized.linear_dynamic(x, layer.packed, False))
+    assert walks  # the public call walks its arguments
+
+
+@needs_int8
 def test_only_exact_linear_layers_are_swapped_and_they_are_frozen() -> None:
     class Owned(nn.Linear):  # a subclass another module may read the weight of
         pass
