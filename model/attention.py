@@ -99,7 +99,8 @@ class Mask:
             added = torch.zeros(shape, dtype=dtype, device=self.allowed.device)
             if not self.hides_nothing:
                 added[..., :width].masked_fill_(~self.allowed, float("-inf"))
-            added[..., width:] = float("-inf")
+            if keys > width:
+                added[..., width:] = float("-inf")
             self._added[(dtype, keys)] = added
         return added
 

@@ -35,11 +35,6 @@ FULL_LEVELS = 127
 # `reduce_range`, whose one scale covers a whole tensor): all-MiniLM-L6-v2 measured much
 # closer to float32 so (docs/benchmarks.md).
 NARROW_LEVELS = 63
-# The op itself, as torch.ops' wrapper calls it. The wrapper of an op that takes a packed
-# object first walks every argument in Python for the fake objects torch.compile traces with,
-# none of which an inference pass has: that walk was 8% of the instructions of a small
-# model's int8 pass (docs/benchmarks.md).
-LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default._op
 
 
 @contextmanager
@@ -67,6 +62,12 @@ class Int8Linear(FrozenLinear):
         with _quantized_tensors_allowed():
             quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(quantized, bias)
+        # The op itself, as torch.ops' wrapper calls it (looked up here, where the kernels are
+        # known to exist). The wrapper of an op that takes a packed object first walks every
+        # argument in Python for the fake objects torch.compile traces with, none of which an
+        # inference pass has: that walk was 8% of the instructions of a small model's int8
+        # pass (docs/benchmarks.md).
+        self.product = torch.ops.quantized.linear_dynamic.default._op
 
     def forward(self, x: Tensor) -> Tensor:
         # The encoders' tokens come packed, (N, D): no reshape either way, whose call costs
@@ -76,7 +77,7 @@ class Int8Linear(FrozenLinear):
         # packed weight (a ScriptObject) answers by throwing a C++ exception, caught again,
         # which cost 40% of a small call. Plain tensors go in, so nothing is lost.
         with torch._C.DisableTorchFunctionSubclass():
-            out: Tensor = LINEAR_DYNAMIC(flat, self.packed, False)
+            out: Tensor = self.product(flat, self.packed, False)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
