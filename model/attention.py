@@ -66,8 +66,9 @@ NO_MAPS = MapRequest(frozenset(), ())
 class Mask:
     """Where queries may attend in one pass, shared by its layers: a boolean tensor
     broadcastable to (B, H, T, T), and what SDPA adds to the scores for it, made once per
-    dtype on first use. Handed the boolean tensor, SDPA would convert it in every layer (two
-    `where` calls a layer, a few percent of one sentence's pass on a CPU).
+    dtype (and padded keys, `added`) on first use. Handed the boolean tensor, SDPA would
+    convert it in every layer (two `where` calls a layer, a few percent of one sentence's
+    pass on a CPU).
 
     `hides_nothing`: every key of every input may be attended to (a batch without padding,
     which a single sentence always is), known where the mask was read anyway. Attention then
@@ -170,17 +171,15 @@ def padded_keys(width: int) -> int:
 def _added(
     mask: Mask, bias: Tensor | None, dtype: torch.dtype, keys: int | None = None
 ) -> Tensor | None:
-    """What the scores get added: the mask's, or the bias with the mask's -inf, over `keys`
-    columns (`Mask.added`)."""
+    """What the scores get added over `keys` columns (`Mask.added`): the mask's, plus the
+    bias where there is one (its padded columns 0 before the mask's -inf)."""
+    added = mask.added(dtype, keys)
     if bias is None:
-        return mask.added(dtype, keys)
-    added = bias.to(dtype)
-    if not mask.hides_nothing:
-        added = added.masked_fill(~mask.allowed, float("-inf"))
-    width = added.shape[-1]
-    if keys is None or keys == width:
         return added
-    return F.pad(added, (0, keys - width), value=float("-inf"))
+    bias = bias.to(dtype)
+    if keys is not None and keys > bias.shape[-1]:
+        bias = F.pad(bias, (0, keys - bias.shape[-1]))
+    return bias if added is None else bias + added
 
 
 def context_of_all_scores(

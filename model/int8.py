@@ -78,7 +78,7 @@ class Int8Linear(FrozenLinear):
         # which cost 40% of a small call. Plain tensors go in, so nothing is lost.
         with torch._C.DisableTorchFunctionSubclass():
             out: Tensor = self.product(flat, self.packed, False)
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+        return out if flat is x else out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, int8 (weights within +-{self.levels})"
