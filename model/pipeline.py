@@ -51,21 +51,20 @@ class Pooling:
         weights = mask.unsqueeze(-1).float()  # (B, T, 1)
         count = weights.sum(dim=1).clamp(min=1e-9)  # (B, 1)
         pooled = [self._pool(mode, hidden, mask, weights, count) for mode in self.modes]
-        return torch.cat(pooled, dim=-1)
+        return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=-1)
 
     @staticmethod
     def _pool(
         mode: PoolingMode, hidden: Tensor, mask: Tensor, weights: Tensor, count: Tensor
     ) -> Tensor:
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
         if mode is PoolingMode.CLS:
             # The first token the mask keeps: [CLS], or the first after an excluded prompt.
-            return hidden[rows, mask.int().argmax(dim=1)]
+            return hidden[_rows(hidden), mask.int().argmax(dim=1)]
         if mode is PoolingMode.LAST_TOKEN:
             width = mask.shape[1]
             found, from_end = mask.flip(1).max(dim=1)
             last = torch.where(found == 0, width - 1, width - 1 - from_end)
-            return (hidden * weights)[rows, last]
+            return (hidden * weights)[_rows(hidden), last]
         if mode is PoolingMode.MAX:
             filled = hidden.masked_fill(weights == 0, float("-inf")).max(dim=1).values
             # An input with no pooled token gives zeros, not -inf (which JSON cannot carry).
@@ -79,6 +78,11 @@ class Pooling:
         position = torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=torch.float32)
         weighted = weights * position.view(1, -1, 1)
         return (hidden * weighted).sum(dim=1) / weighted.sum(dim=1).clamp(min=1e-9)
+
+
+def _rows(hidden: Tensor) -> Tensor:
+    """Each input's row index, to pick one token per input."""
+    return torch.arange(hidden.shape[0], device=hidden.device)
 
 
 # Dense activations, by the class name sentence-transformers writes (`torch.nn....Tanh`).
