@@ -9,6 +9,17 @@ from typing import Any, ClassVar, NoReturn
 from torch import Tensor, nn
 
 
+def as_rows(x: Tensor) -> Tensor:
+    """`x` as the (rows, features) a product runs on. The encoders' tokens come packed, (N, D):
+    then `x` itself, with no call to reshape it, which costs more than the smallest products."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
+def shaped_like(out: Tensor, x: Tensor) -> Tensor:
+    """A product's contiguous (rows, out) output in `x`'s leading shape (`as_rows` undone)."""
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+
 class FrozenLinear(nn.Module):
     """`nn.Linear`'s shape on an opaque packed weight, for inference only. Moving, converting
     or saving the layer raises `refusal` (formatted with what was tried), where the opaque

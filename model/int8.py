@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from model.frozen import FrozenLinear
+from model.frozen import FrozenLinear, as_rows, shaped_like
 
 INT8 = "int8"
 # The CPU flag of the instructions (AVX-512 VNNI) that fbgemm multiplies 8-bit integers with,
@@ -70,15 +70,12 @@ class Int8Linear(FrozenLinear):
         self.product = torch.ops.quantized.linear_dynamic.default._op
 
     def forward(self, x: Tensor) -> Tensor:
-        # The encoders' tokens come packed, (N, D): no reshape either way, whose call costs
-        # more than the smallest products here.
-        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         # With subclass dispatch on, torch asks every argument for `__torch_function__`; the
         # packed weight (a ScriptObject) answers by throwing a C++ exception, caught again,
         # which cost 40% of a small call. Plain tensors go in, so nothing is lost.
         with torch._C.DisableTorchFunctionSubclass():
-            out: Tensor = self.product(flat, self.packed, False)
-        return out if flat is x else out.reshape(*x.shape[:-1], self.out_features)
+            out: Tensor = self.product(as_rows(x), self.packed, False)
+        return shaped_like(out, x)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, int8 (weights within +-{self.levels})"

@@ -53,8 +53,7 @@ class TokenLayout:
 
     def pack(self, x: Tensor) -> Tensor:
         """(B, T, F) -> (N, F): the real tokens only (all B x T of them when unpacked)."""
-        flat = x.reshape(self.batch * self.width, x.shape[-1])
-        return flat if self.index is None else flat.index_select(0, self.index)
+        return self._real_rows(x.reshape(self.batch * self.width, x.shape[-1]))
 
     def unpack(self, x: Tensor) -> Tensor:
         """(N, F) -> (B, T, F); padded positions hold no meaningful values."""
@@ -66,12 +65,16 @@ class TokenLayout:
 
     def heads(self, x: Tensor, num_heads: int) -> Tensor:
         """(N, D) packed -> (B, H, T, D / H), the grid attention runs on."""
-        grid = x if self.index is None else self.unpack(x)  # a view of x either way unpacked
+        # Unpacked, x is the grid already: viewed once, not through `unpack`'s view too.
+        grid = x if self.index is None else self.unpack(x)
         return grid.view(self.batch, self.width, num_heads, -1).transpose(1, 2)
 
     def merge_heads(self, x: Tensor) -> Tensor:
         """(B, H, T, hd) -> (N, H x hd) packed."""
-        flat = x.transpose(1, 2).reshape(self.batch * self.width, -1)
+        return self._real_rows(x.transpose(1, 2).reshape(self.batch * self.width, -1))
+
+    def _real_rows(self, flat: Tensor) -> Tensor:
+        """(B x T, F) -> (N, F)."""
         return flat if self.index is None else flat.index_select(0, self.index)
 
 

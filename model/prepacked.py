@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from model.activations import Activation, activate
 from model.device import cpu_vendor
-from model.frozen import FrozenLinear
+from model.frozen import FrozenLinear, as_rows, shaped_like
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +120,11 @@ class MklLinear(PrepackedLinear):
         self.weight_stand_in = weight.new_zeros(()).expand_as(weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = as_rows(x)
         out: Tensor = torch.ops.mkl._mkl_linear(
             flat, self.packed, self.weight_stand_in, self.bias, flat.shape[0]
         )
-        return out.view(*x.shape[:-1], self.out_features)
+        return shaped_like(out, x)
 
     def agrees(self, linear: nn.Linear) -> bool:
         """Whether the packed products equal `linear`'s on row counts off and on the one the
@@ -181,17 +181,15 @@ class OnednnLinear(PrepackedLinear):
         return self._shaped(out, rows, x)
 
     def _shaped(self, out: Tensor, rows: int, x: Tensor) -> Tensor:
-        """The product's output for `x`'s own rows, in `x`'s shape. The encoders' tokens
-        come packed, (N, D), mostly on a bucket: then `out` itself, with no call to make a
-        view (a call costs more than the smallest products here)."""
-        own = out if out.shape[0] == rows else out[:rows]
-        return own if x.dim() == 2 else own.view(*x.shape[:-1], self.out_features)
+        """The product's output for `x`'s own rows (mostly all of them: on a bucket, no
+        slice), in `x`'s shape."""
+        return shaped_like(out if out.shape[0] == rows else out[:rows], x)
 
 
 def padded_rows(x: Tensor) -> tuple[Tensor, int]:
     """`x` as the (rows, features) a product runs on, padded with rows of zeros up to its
     bucket; and its own row count."""
-    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    flat = as_rows(x)
     rows = flat.shape[0]
     padded = bucket_rows(rows)
     if padded == rows:

@@ -73,6 +73,8 @@ def test_engines_take_turns_block_by_block_in_a_rotating_order(clock: Clock) -> 
     assert turns == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     # A block of sentences: one untimed call on its first, then each of its sentences.
     block = BLOCK_SENTENCES + 1
-    first = [(who, texts) for who, texts in single_calls[:block]]
-    assert first == [("a", ("s0",)), *(("a", (f"s{i}",)) for i in range(BLOCK_SENTENCES))]
+    assert single_calls[:block] == [
+        ("a", ("s0",)),
+        *(("a", (f"s{i}",)) for i in range(BLOCK_SENTENCES)),
+    ]
     assert [single_calls[i][0] for i in range(0, len(single_calls), block)] == turns

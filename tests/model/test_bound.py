@@ -33,8 +33,10 @@ def test_reads_find_the_registered_objects_and_a_later_assignment_wins() -> None
     replacement = nn.Linear(4, 4)
     block[0] = replacement  # setattr(block, "0", replacement)
     assert block.__dict__.get("0") is not first and block[0] is replacement
+    bind_attributes(block)
+    assert replacement.__dict__["weight"] is replacement.weight
     replacement.weight = nn.Parameter(torch.zeros(4, 4), requires_grad=False)
-    # The pass reads the new weight, not a stale bound one: the product is the bias alone.
+    # The pass reads the new weight, not the stale bound one: the product is the bias alone.
     assert torch.equal(replacement(torch.ones(1, 4)), replacement.bias.detach()[None])
 
 
