@@ -8,7 +8,6 @@ completes even while the server drains: nothing after admission checks readiness
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -19,6 +18,7 @@ import numpy as np
 from starlette.types import Receive
 
 from app.chunking import TextPlan, late_inputs, plan_texts
+from app.collector import settle_collector
 from app.engine.protocol import Engine, ItemResult, Pending, Wants
 from app.errors import (
     ClientDisconnectedError,
@@ -159,11 +159,7 @@ class EmbeddingService:
         if card.calibration is not None:
             self.calibration = Calibration(card.calibration)
         self.loaded_at = int(time.time())
-        # What start-up made (modules, the model, the app) lives as long as the process:
-        # out of the cyclic collector's sight, a full collection takes milliseconds instead
-        # of the hundreds during which the event loop would answer nothing (bench/soak.py).
-        gc.collect()
-        gc.freeze()
+        settle_collector()
         self.warmed_up = True
 
     async def stop(self) -> None:

@@ -14,10 +14,13 @@ process and all its descendants, from /proc) over the measured run, over the req
 completed; each keeps its best round (the lowest CPU per request), and server/floor is what
 the server spends beyond the floor. When the server runs its engine in processes of its own
 (named embed-engine), their CPU per input outside the forward passes (whose CPU time /metrics
-gives) is printed too. With --against REVISION, that revision's server (from a temporary git
-worktree, as bench.side_by_side serves it) takes its turn in every round as well, so that
-two builds' costs are compared within one run. All is written to
-bench/results/serving_cost.json.
+gives) is printed too. Under either placement, so are the forward passes' CPU per input in the
+server and that of the same tiny model's passes run by themselves right after each server
+round, in this process pinned to the server's core, on batches of the server's mean size:
+what running beside the front ends on one core adds to a pass. With --against REVISION, that
+revision's server (from a temporary git worktree, as bench.side_by_side serves it) takes its
+turn in every round as well, so that two builds' costs are compared within one run. All is
+written to bench/results/serving_cost.json.
 Usage: python -m bench.serving_cost [--seconds 8] [--rounds 2] [--port N] [--against REV]
                                     [-- SERVER FLAGS]
 """
@@ -31,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
@@ -46,6 +50,7 @@ from tokenizers import Tokenizer
 from bench.side_by_side import checkout, turns
 from bench.workload import short_sentences
 from bench.wrk import ENGINE_NAME, WRK_CORE, Server, WrkResult, free_port, run_wrk
+from model import Embedder
 from model.architectures import config_from_hf
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
 
@@ -57,6 +62,11 @@ DIMENSION = 32
 # a pass's duration includes the time it waited for that core.
 FORWARD_SECONDS = "embed_forward_cpu_seconds_total"
 INPUTS = "embed_inputs_total"
+BATCHES = "embed_batch_size_count"
+# Texts the forward passes run on alone, after each server round (batches of the server's mean
+# size), and the batches run once before, untimed.
+ALONE_TEXTS = 2048
+ALONE_WARM_UP_BATCHES = 4
 # The default model's tokenizer and its settings (sentence_bert_config.json: its truncation),
 # so that the tiny model tokenizes as the default does.
 COPIED_FILES = (
@@ -126,14 +136,21 @@ class Pinned(Server):
         )
 
 
-def pinning() -> list[str]:
-    """taskset to a core other than wrk's, whose children (the whole tree) inherit it; none
-    if this machine lends only one core."""
+def server_core() -> int | None:
+    """The core the server and the floor are pinned to: one other than wrk's; None if this
+    machine lends only one core."""
     others = sorted(os.sched_getaffinity(0) - {int(WRK_CORE)})
-    if not others:
+    return others[0] if others else None
+
+
+def pinning() -> list[str]:
+    """taskset to `server_core`, whose children (the whole tree) inherit it; none if this
+    machine lends only one core."""
+    core = server_core()
+    if core is None:
         print("note: only one CPU: the server and the floor are not pinned, and share it with wrk")
         return []
-    return ["taskset", "-c", str(others[0])]
+    return ["taskset", "-c", str(core)]
 
 
 @dataclass(frozen=True)
@@ -183,8 +200,9 @@ def cpu_delta(before: dict[int, Proc], after: dict[int, Proc], pids: Sequence[in
 
 
 def metric_sums(url: str) -> dict[str, float]:
-    """The forward passes' seconds and the inputs embedded, summed over any label sets."""
-    sums = dict.fromkeys((FORWARD_SECONDS, INPUTS), 0.0)
+    """The forward passes' CPU seconds, the inputs embedded and the batches, summed over any
+    label sets."""
+    sums = dict.fromkeys((FORWARD_SECONDS, INPUTS, BATCHES), 0.0)
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         series, _, value = line.rpartition(" ")
         name = series.partition("{")[0]
@@ -208,10 +226,64 @@ class Engine:
 
 
 @dataclass(frozen=True)
+class Passes:
+    """The server's forward passes over a run (CPU time, whichever process runs them), and the
+    same tiny model's passes on batches of their mean size run alone on the server's core just
+    after: what a pass costs beside the front ends against what it costs by itself."""
+
+    cpu_seconds: float
+    inputs: float
+    batches: float
+    alone_us_per_input: float
+
+    @property
+    def us_per_input(self) -> float:
+        return self.cpu_seconds / max(self.inputs, 1) * 1e6
+
+    @property
+    def mean_batch(self) -> float:
+        return self.inputs / max(self.batches, 1)
+
+
+class PassesAlone:
+    """The tiny model's forward passes in this process, pinned to the server's core (this
+    process's own cores given back after), on one torch thread as the server runs them."""
+
+    def __init__(self, model: Path, texts: Sequence[str], core: int | None) -> None:
+        self.embedder = Embedder.load(str(model), device="cpu", dtype="float32")
+        self.texts = list(texts)[:ALONE_TEXTS]
+        self.core = core
+
+    def us_per_input(self, batch_size: int) -> float:
+        """Thread CPU per input over the texts in batches of `batch_size`."""
+        batches = [
+            self.embedder.tokenize(self.texts[first : first + batch_size])
+            for first in range(0, len(self.texts), batch_size)
+        ]
+        own_cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+        if self.core is not None:
+            os.sched_setaffinity(0, {self.core})
+        torch.set_num_threads(1)
+        try:
+            with torch.inference_mode():
+                for batch in batches[:ALONE_WARM_UP_BATCHES]:
+                    self.embedder.forward(batch)
+                started = time.thread_time()
+                for batch in batches:
+                    self.embedder.forward(batch)
+                seconds = time.thread_time() - started
+        finally:
+            torch.set_num_threads(threads)
+            os.sched_setaffinity(0, own_cores)
+        return seconds / len(self.texts) * 1e6
+
+
+@dataclass(frozen=True)
 class Round:
     wrk: WrkResult
     cpu_seconds: float  # the whole process tree's
     engine: Engine | None
+    passes: Passes | None  # a server's, not the floor's
 
     @property
     def us_per_request(self) -> float:
@@ -219,12 +291,14 @@ class Round:
 
     def figures(self) -> dict[str, Any]:
         engine = self.engine and {**asdict(self.engine), "us_per_input": self.engine.us_per_input}
+        passes = self.passes and {**asdict(self.passes), "us_per_input": self.passes.us_per_input}
         return {
             "requests_per_s": self.wrk.rate,
             "cpu_us_per_request": self.us_per_request,
             "cpu_seconds": self.cpu_seconds,
             "wrk": asdict(self.wrk),
             "engine": engine,
+            "passes": passes,
         }
 
 
@@ -234,24 +308,30 @@ def load(url: str, bodies: Sequence[str], seconds: float) -> WrkResult:
     )
 
 
-def measure(target: Pinned, bodies: Sequence[str], seconds: float, server: bool) -> Round:
+def measure(
+    target: Pinned, bodies: Sequence[str], seconds: float, alone: PassesAlone | None
+) -> Round:
+    """One load's figures; `alone` (a server's round, not the floor's) runs the passes by
+    themselves after it."""
     load(target.url, bodies, WARM_UP_SECONDS)  # a fresh process's first seconds are slower
     # /metrics is read outside the CPU readings, so that its own requests do not count.
-    metrics = metric_sums(target.url) if server else {}
+    metrics = metric_sums(target.url) if alone else {}
     before = tree(target.process.pid)
     result = load(target.url, bodies, seconds)
     after = tree(target.process.pid)
+    if alone is None:
+        return Round(result, cpu_delta(before, after, list(after)), None, None)
+    metrics_after = metric_sums(target.url)
+    ran = {name: metrics_after[name] - metrics[name] for name in metrics}
     engine = None
     engines = [pid for pid, proc in after.items() if proc.name == ENGINE_NAME]
-    if server and engines:
-        metrics_after = metric_sums(target.url)
+    if engines:
         engine = Engine(
-            len(engines),
-            cpu_delta(before, after, engines),
-            metrics_after[FORWARD_SECONDS] - metrics[FORWARD_SECONDS],
-            metrics_after[INPUTS] - metrics[INPUTS],
+            len(engines), cpu_delta(before, after, engines), ran[FORWARD_SECONDS], ran[INPUTS]
         )
-    return Round(result, cpu_delta(before, after, list(after)), engine)
+    batch_size = max(1, round(ran[INPUTS] / max(ran[BATCHES], 1)))
+    passes = Passes(ran[FORWARD_SECONDS], ran[INPUTS], ran[BATCHES], alone.us_per_input(batch_size))
+    return Round(result, cpu_delta(before, after, list(after)), engine, passes)
 
 
 @dataclass(frozen=True)
@@ -263,12 +343,12 @@ class Target:
     source: Path | None = None  # the checkout it runs from; None: this one
 
 
-def run_round(target: Target, bodies: Sequence[str], seconds: float) -> Round:
+def run_round(target: Target, bodies: Sequence[str], seconds: float, alone: PassesAlone) -> Round:
     """A fresh process: this machine's speed drifts, and one process's speed is a draw."""
     process = Pinned(target.command, target.port, target.source)
     try:
         process.wait_ready()
-        return measure(process, bodies, seconds, target.server)
+        return measure(process, bodies, seconds, alone if target.server else None)
     finally:
         process.stop()
 
@@ -311,6 +391,16 @@ def describe_engine(engine: Engine | None) -> None:
     print(f"engine CPU per input outside forward passes: {engine.us_per_input:.1f} µs")
 
 
+def describe_passes(passes: Passes | None) -> None:
+    if passes is None:
+        return
+    print(
+        f"forward passes: {passes.us_per_input:.1f} µs of CPU per input in the server "
+        f"(mean batch {passes.mean_batch:.1f}), {passes.alone_us_per_input:.1f} µs alone "
+        f"on its core ({passes.us_per_input / passes.alone_us_per_input:.2f}x)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=8)
@@ -321,9 +411,11 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("wrk") is None:  # before the model is made
         raise SystemExit("wrk is not installed (apt-get install wrk)")
-    bodies = [orjson.dumps({"inputs": text}).decode() for text in short_sentences(4096, seed=5)]
+    texts = short_sentences(4096, seed=5)
+    bodies = [orjson.dumps({"inputs": text}).decode() for text in texts]
     with tempfile.TemporaryDirectory() as folder, ExitStack() as stack:
         model = make_tiny_model(Path(folder) / "tiny")
+        alone = PassesAlone(model, texts, server_core())
         against = None
         if args.against:
             against = (args.against, stack.enter_context(checkout(args.against)))
@@ -331,7 +423,7 @@ def main() -> None:
         rounds: dict[str, list[Round]] = {target.name: [] for target in every}
         for round_index in range(args.rounds):  # alternating, so that drift hits all alike
             for target in turns(every, round_index):
-                rounds[target.name].append(run_round(target, bodies, args.seconds))
+                rounds[target.name].append(run_round(target, bodies, args.seconds, alone))
     report(rounds, every, args)
 
 
@@ -344,6 +436,7 @@ def report(rounds: dict[str, list[Round]], every: list[Target], args: argparse.N
         ratios[server] = best[server].us_per_request / best["floor"].us_per_request
         print(f"{server}/floor CPU per request: {ratios[server]:.2f}x")
         describe_engine(best[server].engine)
+        describe_passes(best[server].passes)
     figures: dict[str, Any] = {
         "seconds": args.seconds,
         "connections": CONNECTIONS,

@@ -12,7 +12,6 @@ end has exited (finish what is queued, then exit 0), and for a batch worker that
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import select
 import selectors
@@ -23,6 +22,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
 
+from app.collector import settle_collector
 from app.cores import CoreLease
 from app.engine.batcher import Delivery, Ticket
 from app.engine.model_engine import ModelEngine
@@ -138,8 +138,7 @@ class EngineProcess:
         self.listener.listen()
         self.listener.setblocking(False)
         self.selector.register(self.listener, selectors.EVENT_READ)
-        gc.collect()
-        gc.freeze()  # see app/service.py: start-up's objects out of the collector's sight
+        settle_collector()
         signal.signal(SUPERVISOR_STOP, self._stop)
         batcher.take_from(self._intake)
         ready.send(("ready", card))
