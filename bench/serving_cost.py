@@ -233,16 +233,12 @@ class Passes:
 
     cpu_seconds: float
     inputs: float
-    batches: float
+    mean_batch: float
     alone_us_per_input: float
 
     @property
     def us_per_input(self) -> float:
         return self.cpu_seconds / max(self.inputs, 1) * 1e6
-
-    @property
-    def mean_batch(self) -> float:
-        return self.inputs / max(self.batches, 1)
 
 
 class PassesAlone:
@@ -329,8 +325,9 @@ def measure(
         engine = Engine(
             len(engines), cpu_delta(before, after, engines), ran[FORWARD_SECONDS], ran[INPUTS]
         )
-    batch_size = max(1, round(ran[INPUTS] / max(ran[BATCHES], 1)))
-    passes = Passes(ran[FORWARD_SECONDS], ran[INPUTS], ran[BATCHES], alone.us_per_input(batch_size))
+    mean_batch = ran[INPUTS] / max(ran[BATCHES], 1)
+    alone_us = alone.us_per_input(max(1, round(mean_batch)))
+    passes = Passes(ran[FORWARD_SECONDS], ran[INPUTS], mean_batch, alone_us)
     return Round(result, cpu_delta(before, after, list(after)), engine, passes)
 
 
