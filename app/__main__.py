@@ -65,17 +65,25 @@ def over_budget(settings: Settings, folders: dict[str, Path]) -> str | None:
     """Why the models cannot fit `memory_budget_mb`, if they cannot: their weights at the
     dtype they run in, once per GPU they are on and, on the CPU, once per engine where each
     lays its linear layers out for its kernel (`prepack`), else once for all (which share one
-    copy). The engines' working memory is not counted."""
+    copy), and once more for each graph inductor compiles (`compile`: one input and batches,
+    on each thread count a pass may run on). The engines' working memory is not counted."""
     if settings.memory_budget_mb is None:
         return None
     gpus = sum(1 for device in settings.devices if device.startswith("cuda"))
     cpu_engines = len(settings.devices) - gpus
-    copies = gpus + (cpu_engines if settings.prepack else min(cpu_engines, 1))
-    dtypes = {served.name: settings.for_model(served).dtype for served in settings.models()}
-    mib = {
-        name: copies * weight_bytes(folder, dtypes[name]) / 2**20
-        for name, folder in folders.items()
-    }
+    mib = {}
+    for served in settings.models():
+        own = settings.for_model(served)
+        shared = min(cpu_engines, 1)
+        if own.compile:  # the plain weights shared, and inductor's layout in each graph
+            thread_counts = 2 if cpu_engines > 1 else 1  # a lone pass takes every core
+            cpu_copies = shared + cpu_engines * 2 * thread_counts
+        elif own.prepack:
+            cpu_copies = cpu_engines
+        else:
+            cpu_copies = shared
+        size = weight_bytes(folders[served.name], own.dtype)
+        mib[served.name] = (gpus + cpu_copies) * size / 2**20
     if sum(mib.values()) <= settings.memory_budget_mb:
         return None
     each = ", ".join(f"{name}: {size:.0f} MiB" for name, size in mib.items())

@@ -50,6 +50,7 @@ PER_MODEL_SETTINGS = frozenset(
         "auto_truncate",
         "cuda_graphs",
         "prepack",
+        "compile",
     }
 )
 
@@ -252,6 +253,16 @@ class Settings(BaseSettings):
             "oneDNN) at start-up (small batches faster; docs/benchmarks.md), each engine its "
             "own copy; off: torch's "
             "matmul on the checkpoint layout, and engines on one CPU share every weight."
+        ),
+    )
+    compile: bool = Field(
+        False,
+        description=(
+            "On a CPU, in float32 or bfloat16, compile the encoder's passes with torch.compile "
+            "(inductor) at start-up: single inputs about a fifth to a quarter faster "
+            "(docs/benchmarks.md), for tens of seconds more to start and hundreds of MiB more "
+            "per engine; needs a C++ compiler (g++). A pass that keeps attention maps runs "
+            "eagerly."
         ),
     )
     auto_truncate: bool = Field(

@@ -6,7 +6,9 @@ engine run. The default model (all-MiniLM-L6-v2) is exported here with `torch.on
 with ONNX Runtime's own `quantize_dynamic` (its defaults: int8 weights per tensor) for int8.
 Each engine tokenizes with the same `tokenizers` tokenizer, texts padded to the longest of
 their batch. Engines: this encoder in float32, in bfloat16 (where the CPU computes it), in
-int8 (`--dtype int8`), and ONNX Runtime in float32 and int8.
+int8 (`--dtype int8`), and ONNX Runtime in float32 and int8; with `--compile`, this encoder
+compiled too (`--compile`, model/compiled.py), in float32 and bfloat16, its graphs compiled
+before any timing (the seconds that took printed).
 
 Figures, tokenization included, over `--rounds` rounds:
 - throughput: `--texts` sentences sorted by length, in batches of 32: all of an engine's
@@ -19,7 +21,7 @@ in turn (seconds each) met different speeds. Each block of sentences starts with
 call, which brings the engine's weights back into the caches the others' turns took: a
 server answering sentences keeps one model's weights there.
 Needs the bench extra (`pip install -e '.[bench]'`: onnxruntime, onnx, onnxscript); not in CI.
-Usage: python -m bench.onnx_compare [--threads 2] [--rounds 3] [--texts 3000]
+Usage: python -m bench.onnx_compare [--threads 2] [--rounds 3] [--texts 3000] [--compile]
 """
 
 from __future__ import annotations
@@ -54,8 +56,12 @@ BLOCK_SENTENCES = 10
 Encode = Callable[[list[str]], np.ndarray]
 
 
-def ours(dtype: str) -> Encode:
-    embedder = Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype=dtype)
+def ours(dtype: str, compile: bool = False) -> Encode:
+    embedder = Embedder.load(DEFAULT_MODEL_ID, device="cpu", dtype=dtype, compile=compile)
+    if compile:
+        started = time.perf_counter()
+        graphs = embedder.compile_passes()
+        print(f"ours {dtype} compiled: {graphs} graphs in {time.perf_counter() - started:.1f} s")
     return lambda texts: embedder.embed(texts).float().numpy()
 
 
@@ -129,16 +135,19 @@ def onnx_runtime(model: Path, tokenizer_file: Path, threads: int, max_length: in
     return encode
 
 
-def engines(threads: int, work: Path) -> dict[str, Encode]:
+def engines(threads: int, work: Path, compile: bool) -> dict[str, Encode]:
     torch.set_num_threads(threads)
     folder = resolve_model_dir(DEFAULT_MODEL_ID, allow_download=False)
     max_length = Embedder.load(DEFAULT_MODEL_ID, device="cpu").info.max_input_tokens
     exported = export(folder, work / "model.onnx")
     quantized = quantize(exported, work / "model-int8.onnx")
     tokenizer = folder / "tokenizer.json"
-    found: dict[str, Encode] = {"ours float32": ours("float32")}
+    dtypes = ["float32"]
     if any(flag in cpu_flags() for flag in BF16_FLAGS):
-        found["ours bfloat16"] = ours("bfloat16")
+        dtypes.append("bfloat16")
+    found: dict[str, Encode] = {f"ours {dtype}": ours(dtype) for dtype in dtypes}
+    if compile:
+        found |= {f"ours {dtype} compiled": ours(dtype, compile=True) for dtype in dtypes}
     found["ours int8"] = ours("int8")
     found["onnxruntime float32"] = onnx_runtime(exported, tokenizer, threads, max_length)
     found["onnxruntime int8"] = onnx_runtime(quantized, tokenizer, threads, max_length)
@@ -215,12 +224,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--texts", type=int, default=3000)
+    parser.add_argument("--compile", action="store_true", help="compiled engines too")
     args = parser.parse_args()
     texts = sorted(varied_sentences(args.texts, seed=11), key=len)
     batches = [texts[i : i + BATCH] for i in range(0, len(texts), BATCH)]
     singles = varied_sentences(SINGLE_CALLS, seed=12)
     with tempfile.TemporaryDirectory() as work:
-        found = engines(args.threads, Path(work))
+        found = engines(args.threads, Path(work), args.compile)
         for encode in found.values():  # warm-up: every shape once
             batches_seconds(encode, batches[:: max(1, len(batches) // 8)])
             single_seconds(encode, singles[:20])
@@ -239,11 +249,11 @@ def report(
     base = "onnxruntime float32"
     print(f"all-MiniLM-L6-v2, CPU, {args.threads} threads, {args.texts} sentences sorted by length")
     print(f"in batches of {BATCH}; {args.rounds} rounds, the engines taking turns block by block")
-    print(f"{'engine':<22}{'texts/s':>9}{'x ORT f32':>10}{'1 sentence p50':>16}{'x ORT f32':>10}")
+    print(f"{'engine':<25}{'texts/s':>9}{'x ORT f32':>10}{'1 sentence p50':>16}{'x ORT f32':>10}")
     for name in timings:
         rate, p50 = rates[name], p50s[name]
         print(
-            f"{name:<22}{rate:>9.0f}{rate / rates[base]:>10.2f}"
+            f"{name:<25}{rate:>9.0f}{rate / rates[base]:>10.2f}"
             f"{p50:>13.2f} ms{p50 / p50s[base]:>10.2f}"
         )
     figures: dict[str, Any] = {"threads": args.threads, "texts": args.texts, "engines": {}}

@@ -17,7 +17,7 @@ share of the time its forward passes ran, which tell why a figure falls short of
 all is printed and written to bench/results/server.json.
 Usage: python -m bench.server [--dtypes float32 bfloat16 int8] [--seconds 10] [--rounds 2]
                               [--device cpu|cuda] [--model-id ID] [--client-cores 0-3]
-                              [-- SERVER FLAGS]
+                              [--compile] [-- SERVER FLAGS]
 """
 
 from __future__ import annotations
@@ -85,9 +85,15 @@ def reference(dtype: str, args: argparse.Namespace) -> None:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     torch.set_num_threads(args.threads)
     embedder = Embedder.load(
-        args.model_id or DEFAULT_MODEL_ID, device=args.device, dtype=dtype, prepack=args.prepack
+        args.model_id or DEFAULT_MODEL_ID,
+        device=args.device,
+        dtype=dtype,
+        prepack=args.prepack,
+        compile=args.compile,
     )
-    embedder.capture_graphs()  # as the server does at start-up (none on the CPU)
+    # As the server does at start-up: the compiled passes (--compile), the CUDA graphs (a GPU).
+    embedder.compile_passes()
+    embedder.capture_graphs()
     ordered = {
         "short": sorted(short_sentences(2048), key=len),
         "long": sorted(long_passages(256), key=len),
@@ -147,6 +153,7 @@ class Reference:
             "--threads", str(args.threads), "--device", args.device,
             *(["--model-id", args.model_id] if args.model_id else []),
             *([] if args.prepack else ["--no-prepack"]),
+            *(["--compile"] if args.compile else []),
         ]  # fmt: skip
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -270,6 +277,7 @@ def benchmark(dtype: str, args: argparse.Namespace) -> dict[str, object]:
     # Else each engine's threads are the server's default, its share of the CPUs: the
     # ceiling's threads in every engine would oversubscribe them (see Settings).
     flags += args.server + ([] if args.prepack else ["--no-prepack"])
+    flags += ["--compile"] if args.compile else []
     info: dict[str, object] = {}
     for _ in range(args.rounds):
         # A fresh server each round: one process's speed is a draw of its own (one process's
@@ -373,6 +381,12 @@ def main() -> None:
         dest="prepack",
         action="store_false",
         help="the ceiling and the server on F.linear, not prepacked weights (model/prepacked.py)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="the ceiling and the server on compiled passes (model/compiled.py), float32 and "
+        "bfloat16 only",
     )
     parser.add_argument("--reference-of", help=argparse.SUPPRESS)
     parser.add_argument("server", nargs="*", help="after --, flags for the server")

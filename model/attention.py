@@ -83,8 +83,9 @@ class Mask:
         self._added: dict[tuple[torch.dtype, int], Tensor] = {}
         self._every_query_sees_a_key: bool | None = True if hides_nothing else None
 
-    def __and__(self, narrower: Tensor) -> Mask:
-        """This mask further restricted (a sliding window, causality): a mask of its own."""
+    def narrowed(self, narrower: Tensor) -> Mask:
+        """This mask further restricted (a sliding window, causality): a mask of its own. A
+        method, not `&`: torch.compile cannot trace an operator a class of its own defines."""
         return Mask(self.allowed & narrower)
 
     def added(self, dtype: torch.dtype, keys: int | None = None) -> Tensor | None:
@@ -95,14 +96,20 @@ class Mask:
         keys = keys or width
         if self.hides_nothing and keys == width:
             return None
+        if torch.compiler.is_compiling():  # its sizes are symbols, which key no dictionary
+            return self._make_added(dtype, keys)
         if (added := self._added.get((dtype, keys))) is None:
-            shape = (*self.allowed.shape[:-1], keys)
-            added = torch.zeros(shape, dtype=dtype, device=self.allowed.device)
-            if not self.hides_nothing:
-                added[..., :width].masked_fill_(~self.allowed, float("-inf"))
-            if keys > width:
-                added[..., width:] = float("-inf")
-            self._added[(dtype, keys)] = added
+            added = self._added[(dtype, keys)] = self._make_added(dtype, keys)
+        return added
+
+    def _make_added(self, dtype: torch.dtype, keys: int) -> Tensor:
+        width = self.allowed.shape[-1]
+        shape = (*self.allowed.shape[:-1], keys)
+        added = torch.zeros(shape, dtype=dtype, device=self.allowed.device)
+        if not self.hides_nothing:
+            added[..., :width].masked_fill_(~self.allowed, float("-inf"))
+        if keys > width:
+            added[..., width:] = float("-inf")
         return added
 
     @property
@@ -156,8 +163,11 @@ def attend(
 def _scores_at_once(q: Tensor, k: Tensor, mask: Mask) -> bool:
     """Where every score at once is the faster way to the context (`SCORES_AT_ONCE_KEYS`):
     float32 on a CPU, short inputs, and no query whose keys are all masked. Only the mask is
-    asked: a position bias (MPNet's, ALiBi's) is finite everywhere."""
+    asked: a position bias (MPNet's, ALiBi's) is finite everywhere. Never in a compiled pass
+    (model/compiled.py), whose graph cannot ask the mask."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[-2] != k.shape[-2]:
+        return False
+    if torch.compiler.is_compiling():
         return False
     limit = SCORES_AT_ONCE_KEYS if torch.get_num_threads() > 1 else SCORES_AT_ONCE_KEYS_ONE_THREAD
     return k.shape[-2] <= limit and mask.every_query_sees_a_key

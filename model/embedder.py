@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,8 +14,10 @@ from model.architectures import Encoder
 from model.attention import MapRequest
 from model.bound import bind_attributes
 from model.codec import TextCodec
+from model.compiled import CompiledNetwork, compile_unavailable
 from model.cuda_graphs import GraphedForward, IntGrid, padded_batch, wait_for
 from model.device import DtypeChoice, cpu_flags, resolve_device, resolve_dtype
+from model.errors import ConfigError
 from model.heads import Head
 from model.info import AttentionSpec, ModelInfo
 from model.int8 import INT8, quantize_linears, weight_levels
@@ -24,6 +26,7 @@ from model.pipeline import EmbeddingPipeline
 from model.prepacked import can_prepack, prepack_linears
 from model.resolve import DEFAULT_MODEL_ID, resolve_model_dir
 from model.shared_weights import WeightStore
+from model.tasks import MODEL_TASKS
 from model.tokenizer import Encoded, TextTokenizer, TokenizerInput
 from model.vectors import FloatArray, finish
 
@@ -92,6 +95,7 @@ class Embedder:
         *,
         cuda_graphs: bool = True,
         prepack: bool = True,
+        compile: bool = False,
     ) -> None:
         self.network = network
         self.head = head
@@ -115,7 +119,15 @@ class Embedder:
         self.prepacked = 0
         # Or in int8 where the operator asked for it (model/int8.py); how many.
         self.quantized = 0
-        if info.dtype == INT8:
+        # Or compiled where the operator asked for it (model/compiled.py): its plain linear
+        # layers, which inductor lays out itself.
+        self.compiled: CompiledNetwork | None = None
+        if compile:
+            if refusal := compile_unavailable(self.device, first.dtype, info.dtype == INT8):
+                raise ConfigError(refusal)
+            pairs = MODEL_TASKS[info.task].reads_pairs and network.config.type_vocab_size > 1
+            self.compiled = CompiledNetwork(network, takes_types=pairs)
+        elif info.dtype == INT8:
             self.quantized = quantize_linears(network, weight_levels(cpu_flags()))
         elif prepack and can_prepack(self.device, first.dtype):
             self.prepacked = prepack_linears(network)
@@ -134,6 +146,7 @@ class Embedder:
         task: str = "auto",
         cuda_graphs: bool = True,
         prepack: bool = True,
+        compile: bool = False,
     ) -> Embedder:
         folder = resolve_model_dir(model_id, allow_download=allow_download)
         target = resolve_device(device)
@@ -146,6 +159,7 @@ class Embedder:
             task=task,
             cuda_graphs=cuda_graphs,
             prepack=prepack,
+            compile=compile,
         )
 
     @classmethod
@@ -160,11 +174,14 @@ class Embedder:
         task: str = "auto",
         cuda_graphs: bool = True,
         prepack: bool = True,
+        compile: bool = False,
     ) -> Embedder:
         """`task`: "auto" serves what the folder declares (model/tasks/), or embed,
         classify or sparse; `max_input_tokens` can only lower the model's own limit;
         `cuda_graphs` off runs every forward pass on a GPU eagerly; `prepack` off runs a
-        CPU's linear layers on torch's own `F.linear`."""
+        CPU's linear layers on torch's own `F.linear`; `compile` runs a CPU's passes on
+        graphs that inductor compiles (model/compiled.py; `compile_passes`), float32 and
+        bfloat16 only."""
         choice = dtype if isinstance(dtype, DtypeChoice) else DtypeChoice(dtype, "asked for")
         loaded = load_model(
             folder,
@@ -181,6 +198,7 @@ class Embedder:
             loaded.info,
             cuda_graphs=cuda_graphs,
             prepack=prepack,
+            compile=compile,
         )
 
     def forward(
@@ -235,7 +253,11 @@ class Embedder:
         maps = MapRequest(frozenset(attention.layers), attention.heads) if attention else None
         with torch.inference_mode():
             types = type_ids.to(self.device) if type_ids is not None else None
-            out = self.network(input_ids, attention_mask, types, maps)
+            if self._compiled_pass(maps, lengths, width):
+                assert self.compiled is not None
+                out = self.compiled(input_ids, attention_mask, types)
+            else:
+                out = self.network(input_ids, attention_mask, types, maps)
             if isinstance(self.head, EmbeddingPipeline):
                 prompt_tensor = _on(prompt_lengths, self.device)
                 pooled = self.head(out.hidden, attention_mask, prompt_tensor).cpu()
@@ -249,6 +271,13 @@ class Embedder:
             if attention is not None:
                 attentions = _per_input_maps(out.maps, lengths, attention.mean)
         return BatchOutput(pooled, tokens, attentions)
+
+    def _compiled_pass(self, maps: MapRequest | None, lengths: np.ndarray, width: int) -> bool:
+        """Whether a pass runs on a compiled graph (model/compiled.py): not one that keeps
+        attention maps, nor a batch with padding where that measured slower."""
+        if self.compiled is None or maps is not None:
+            return False
+        return self.compiled.padded_batches or bool(lengths.min(initial=width) == width)
 
     def graph_shape(
         self,
@@ -306,6 +335,13 @@ class Embedder:
             pooled.append(vectors.float().cpu())
         result: FloatArray = torch.cat(pooled).numpy()
         return result
+
+    def compile_passes(self, thread_counts: Iterable[int] = ()) -> int:
+        """Compile the passes for each of `thread_counts` (default: the thread count now)
+        now, not on requests' time; how many graphs (0 where they run eagerly)."""
+        if self.compiled is None:
+            return 0
+        return self.compiled.compile_all(thread_counts or [torch.get_num_threads()])
 
     def capture_graphs(self) -> int:
         """Capture the CUDA graphs now, not on requests' time; how many (0 without them)."""

@@ -5,6 +5,7 @@ ModelError
  ├── CheckpointError      weights missing, corrupt, mis-shaped or of the wrong sha256
  ├── ModelNotFoundError   a model id that is neither a folder nor an installed model
  ├── PromptError          a prompt name the model does not have
+ ├── CompileError         the encoder's passes cannot be compiled (`compile`)
  └── InputError           an input the encoder cannot take (not valid Unicode, ...)
       ├── TokenIdError        a pre-tokenized id outside the vocabulary
       └── InputTooLongError   more tokens than the model takes, with truncation off
@@ -29,6 +30,11 @@ class ModelNotFoundError(ModelError):
 
 class PromptError(ModelError):
     """A request names a prompt that the model's configuration does not define."""
+
+
+class CompileError(ModelError):
+    """The encoder's passes cannot be compiled (one that reads its tensors' values, say): the
+    server refuses to start rather than run them eagerly where compiled ones were asked for."""
 
 
 class InputError(ModelError):

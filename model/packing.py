@@ -39,10 +39,11 @@ class TokenLayout:
     def from_mask(cls, attention_mask: Tensor) -> TokenLayout:
         batch, width = attention_mask.shape
         index = None
-        # On a GPU the mask is not read back (that would wait for the device): its layers
-        # always run on the grid, with the mask.
+        # On a GPU the mask is not read back (that would wait for the device), nor in a
+        # compiled pass (model/compiled.py), whose graph cannot depend on its values: their
+        # layers always run on the grid, with the mask.
         hides_nothing = False
-        if attention_mask.device.type == "cpu":
+        if attention_mask.device.type == "cpu" and not torch.compiler.is_compiling():
             flat = attention_mask.reshape(-1).bool()
             padded = flat.numel() - int(flat.sum())
             hides_nothing = padded == 0
@@ -86,7 +87,8 @@ FEED_FORWARD_CHUNK = 1024
 def in_row_chunks(function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """Apply a row-wise function to (N, D) tokens, FEED_FORWARD_CHUNK rows at a time on CPU."""
     rows = x.shape[0]
-    if x.device.type != "cpu" or rows <= FEED_FORWARD_CHUNK:
+    # A compiled pass (model/compiled.py) runs whole: its row count is a symbol, not a loop's.
+    if x.device.type != "cpu" or rows <= FEED_FORWARD_CHUNK or torch.compiler.is_compiling():
         return function(x)
     out = torch.empty_like(x)
     for start in range(0, rows, FEED_FORWARD_CHUNK):

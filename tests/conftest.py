@@ -77,6 +77,17 @@ FULL_TIER_TESTS: dict[str, set[str]] = {
         "test_all_minilm_matches_sentence_transformers"
     },
     "tests/model/test_bfloat16.py": {"test_bfloat16_keeps_every_cosine_above_0_999"},
+    # Graphs compiled by inductor: seconds to tens of seconds each.
+    "tests/model/test_compiled.py": {
+        "test_compiled_passes_give_the_eager_vectors_and_compile_nothing_more",
+        "test_a_pass_runs_on_the_graph_of_its_thread_count",
+        "test_a_one_token_input_and_unexpected_segment_ids_run_eagerly",
+        "test_attention_maps_come_from_the_eager_pass",
+        "test_a_pair_model_compiles_its_passes_with_segment_ids",
+        "test_masks_narrowed_by_a_sliding_window_compile",
+        "test_a_pass_that_cannot_be_compiled_refuses_to_start",
+    },
+    "tests/app/test_routes.py": {"test_a_compiled_server_answers_as_the_model_does"},
     "tests/model/test_int8.py": {"test_minilm_in_int8_stays_close_to_float32"},
     "tests/model/test_folders.py": {
         "test_folder_saved_by_sentence_transformers",

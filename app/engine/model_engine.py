@@ -96,6 +96,7 @@ class ModelEngine:
             max_input_tokens=settings.max_input_tokens,
             cuda_graphs=settings.cuda_graphs,
             prepack=settings.prepack,
+            compile=settings.compile,
         ).result()
         if most != threads:
             compute.submit(torch.set_num_threads, threads).result()
@@ -106,7 +107,8 @@ class ModelEngine:
             log.info("%d linear layers in int8", embedder.quantized)
         if self.weights is not None:
             compute.submit(embedder.share_weights, self.weights).result()
-        seconds_per_token = compute.submit(self._warm_up, embedder).result()
+        # A lone pass takes all the engines' cores, a pass beside others its own share.
+        seconds_per_token = compute.submit(self._warm_up, embedder, {threads, most}).result()
         self.embedder = embedder
         info = embedder.info
         # Before the batch worker starts: from then on it holds the compute thread.
@@ -162,9 +164,13 @@ class ModelEngine:
         return np.concatenate([embedder.forward(batch).pooled.float().numpy() for batch in batches])
 
     @staticmethod
-    def _warm_up(embedder: Embedder) -> float:
-        """Run a batch eagerly (paying one-time costs), capture the CUDA graphs (on a GPU),
-        then time the batch again; return its seconds per token."""
+    def _warm_up(embedder: Embedder, thread_counts: set[int]) -> float:
+        """Compile the passes for the thread counts a pass may run on (where asked for), run
+        a batch (paying one-time costs), capture the CUDA graphs (on a GPU), then time the
+        batch again; return its seconds per token."""
+        started = time.perf_counter()
+        if graphs := embedder.compile_passes(thread_counts):
+            log.info("%d graphs compiled in %.1f s", graphs, time.perf_counter() - started)
         batch = warm_up_batch(embedder)
         embedder.forward(batch, token_embeddings=True)
         started = time.perf_counter()

@@ -270,7 +270,7 @@ class Gemma3Encoder(Encoder):
             full: rotary_tables(theta, config.head_dim, width, device, x.dtype)
             for full, theta in ((True, config.full_rope_theta), (False, config.sliding_rope_theta))
         }
-        allowed = {True: layout.key_mask, False: layout.key_mask & window}  # (B, 1, 1|T, T)
+        allowed = {True: layout.key_mask, False: layout.key_mask.narrowed(window)}  # (B, 1, 1|T, T)
         h = layout.pack(x)  # (N, D)
         full = config.full_layers
         h, kept = run_layers(

@@ -226,7 +226,7 @@ class ModernBertEncoder(Encoder):
             True: rotary_tables(config.global_rope_theta, config.head_dim, width, device, x.dtype),
             False: rotary_tables(config.local_rope_theta, config.head_dim, width, device, x.dtype),
         }
-        allowed = {True: layout.key_mask, False: layout.key_mask & window}  # (B, 1, 1|T, T)
+        allowed = {True: layout.key_mask, False: layout.key_mask.narrowed(window)}  # (B, 1, 1|T, T)
         h = layout.pack(x)  # (N, D)
         is_global = config.global_layers
         h, kept = run_layers(

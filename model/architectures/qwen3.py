@@ -233,7 +233,7 @@ class Qwen3Encoder(Encoder):
         width, device = input_ids.shape[1], input_ids.device
         rotary = rotary_tables(self.config.rope_theta, self.config.head_dim, width, device, x.dtype)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # (T, T)
-        allowed = layout.key_mask & causal  # (B, 1, T, T)
+        allowed = layout.key_mask.narrowed(causal)  # (B, 1, T, T)
         h = layout.pack(x)  # (N, D)
         h, kept = run_layers(self.layers, h, layout, maps, lambda index: (rotary, allowed))
         return EncoderOutput(layout.unpack(self.norm(h)), kept)

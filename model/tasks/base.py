@@ -56,6 +56,8 @@ class ModelTask:
     # Whether its sentence-transformers class reads `truncate_dim` and a default prompt.
     reads_truncate_dim: bool
     takes_default_prompt: bool
+    # Whether its inputs may be pairs of texts, whose passes take segment ids.
+    reads_pairs: bool
     # Whether a folder saved before `model_type` was written is this task's, by its modules.
     declared_by_modules: Callable[[Modules, Mapping[str, Any]], bool]
     # The fields its modules give (beside the Transformer's), refusing what it cannot run.

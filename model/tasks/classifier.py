@@ -88,6 +88,7 @@ CLASSIFIER = ModelTask(
     reads_truncate_dim=False,
     # Pairs are tokenized without prompts, so a default one could not be honoured.
     takes_default_prompt=False,
+    reads_pairs=True,
     declared_by_modules=lambda modules, settings: (
         settings.get("transformer_task") == OUTPUTS.transformer_task
     ),

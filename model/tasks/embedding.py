@@ -115,6 +115,7 @@ EMBEDDING = ModelTask(
     default_similarity="cosine",
     reads_truncate_dim=True,
     takes_default_prompt=True,
+    reads_pairs=False,
     declared_by_modules=lambda modules, settings: True,  # what no other task claims
     read_modules=read_modules,
     read_plain=read_plain,

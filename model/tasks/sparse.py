@@ -93,6 +93,7 @@ SPARSE = ModelTask(
     default_similarity="dot",
     reads_truncate_dim=False,
     takes_default_prompt=True,
+    reads_pairs=False,
     declared_by_modules=lambda modules, settings: (
         modules.kinds[0] == "MLMTransformer" or "SpladePooling" in modules.kinds
     ),

@@ -95,25 +95,28 @@ def engine_process(settings: Settings) -> Iterator[RemoteEngine]:
 
 @asynccontextmanager
 async def running_app(
-    settings: Settings, placement: Placement = "in-process"
+    settings: Settings, placement: Placement = "in-process", ready_within: float = 4.0
 ) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    """The app with its lifespan running, and a client; yields once /health says ready. The
-    engine runs in this process, or in one of its own (`placement`)."""
+    """The app with its lifespan running, and a client; yields once /health says ready
+    (within `ready_within` seconds). The engine runs in this process, or in one of its own
+    (`placement`)."""
     if placement == "in-process":
-        async with _serving(create_app(settings)) as running:
+        async with _serving(create_app(settings), ready_within) as running:
             yield running
         return
     with engine_processes(settings) as engines:
-        async with _serving(create_app(settings, engines)) as running:
+        async with _serving(create_app(settings, engines), ready_within) as running:
             yield running
 
 
 @asynccontextmanager
-async def _serving(app: FastAPI) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+async def _serving(
+    app: FastAPI, ready_within: float
+) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            for _ in range(200):
+            for _ in range(int(ready_within / 0.02)):
                 if (await client.get("/health")).status_code == 200:
                     break
                 await asyncio.sleep(0.02)

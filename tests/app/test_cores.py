@@ -130,25 +130,28 @@ def test_an_engine_loads_on_every_core_a_pass_may_take_and_runs_on_its_share(
 ) -> None:
     """MKL lays a weight out for the threads that pack it (model/prepacked.py): the model is
     loaded on as many threads as a lone pass takes, and the engine then runs (from its
-    warm-up on) on its share."""
+    warm-up on) on its share; compiled passes (`compile`) are compiled for both counts."""
     assert pool.size == 2  # more cores than the engine's own thread
     settings = make_settings(tiny_checkpoint, threads=1)
     engine = ModelEngine(
         settings, settings.models()[0], Metrics().of("tiny"), "cpu", CoreLease(pool, 0), None
     )
     threads_at: dict[str, int] = {}
+    compiled_for: list[set[int]] = []
     load, warm_up = Embedder.load, ModelEngine._warm_up
 
     def loading(*args: Any, **kwargs: Any) -> Embedder:
         threads_at["load"] = torch.get_num_threads()
         return load(*args, **kwargs)
 
-    def warming(embedder: Embedder) -> float:
+    def warming(embedder: Embedder, thread_counts: set[int]) -> float:
         threads_at["warm-up"] = torch.get_num_threads()
-        return warm_up(embedder)
+        compiled_for.append(thread_counts)
+        return warm_up(embedder, thread_counts)
 
     monkeypatch.setattr(Embedder, "load", loading)
     monkeypatch.setattr(ModelEngine, "_warm_up", staticmethod(warming))
     engine.load(lambda deliveries: None)
     engine.stop()
     assert threads_at == {"load": 2, "warm-up": 1}
+    assert compiled_for == [{1, 2}]

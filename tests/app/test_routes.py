@@ -14,7 +14,7 @@ import pytest
 from app.params import EncodeOptions
 from model import AttentionSpec, Embedder, finish
 from model.tokenizer import NO_DETAILS
-from tests.app.conftest import Placement, make_settings, running_app, service_of
+from tests.app.conftest import Placement, local_engine, make_settings, running_app, service_of
 from tests.helpers import TINY_VOCAB
 
 pytestmark = pytest.mark.anyio
@@ -74,6 +74,21 @@ async def test_embed_matches_the_model(
     assert response.headers["x-compute-tokens"] == str(
         sum(len(e.ids) for e in tiny_embedder.tokenize(TEXTS))
     )
+
+
+async def test_a_compiled_server_answers_as_the_model_does(
+    tiny_checkpoint: Path, tiny_embedder: Embedder
+) -> None:
+    """`compile`: the passes compiled at start-up, one input or several."""
+    settings = make_settings(tiny_checkpoint, compile=True)
+    async with running_app(settings, ready_within=120) as (app, client):
+        embedder = local_engine(app).model.embedder
+        assert embedder is not None and embedder.compiled is not None
+        single = await client.post("/embed", json={"inputs": TEXTS[0]})
+        batch = await client.post("/embed", json={"inputs": TEXTS})
+    assert single.status_code == batch.status_code == 200
+    assert np.abs(np.array(single.json()) - reference(tiny_embedder, TEXTS[:1])).max() <= 1e-5
+    assert np.abs(np.array(batch.json()) - reference(tiny_embedder, TEXTS)).max() <= 1e-5
 
 
 async def test_embed_takes_token_ids(placement: Placement, tiny_checkpoint: Path) -> None:

@@ -83,7 +83,7 @@ def test_a_mask_adds_zero_where_a_key_is_allowed_and_minus_infinity_elsewhere() 
     assert added.dtype == torch.bfloat16 and added.shape == (2, 1, 1, 3)
     assert added[mask.allowed].eq(0).all() and added[~mask.allowed].eq(float("-inf")).all()
     assert mask.added(torch.bfloat16) is added  # made once per dtype
-    narrower = mask & torch.tensor([True, False, True])
+    narrower = mask.narrowed(torch.tensor([True, False, True]))
     narrowed = narrower.added(torch.float32)
     assert narrowed is not None
     assert narrowed[0, 0, 0].tolist() == [0.0, float("-inf"), float("-inf")]
@@ -136,7 +136,7 @@ def test_a_batch_without_padding_has_a_mask_that_hides_nothing() -> None:
     assert full.hides_nothing and full.added(torch.float32) is None
     assert full.every_query_sees_a_key
     assert not padded.hides_nothing and padded.added(torch.float32) is not None
-    causal = full & torch.ones(5, 5, dtype=torch.bool).tril()
+    causal = full.narrowed(torch.ones(5, 5, dtype=torch.bool).tril())
     assert not causal.hides_nothing and causal.added(torch.float32) is not None
 
 
@@ -216,8 +216,10 @@ def test_short_inputs_on_a_cpu_take_every_score_at_once_and_agree_with_sdpa(widt
     lengths = torch.tensor([width, max(1, width // 2), 1])
     padding = Mask(key_padding_mask((torch.arange(width) < lengths[:, None]).long()))
     # Each query up to itself: every one, padded or not, still sees the first token.
-    causal = padding & torch.ones(width, width, dtype=torch.bool).tril()
-    window = Mask(torch.ones(3, 1, 1, width, dtype=torch.bool)) & sliding_window(width, 2, q.device)
+    causal = padding.narrowed(torch.ones(width, width, dtype=torch.bool).tril())
+    window = Mask(torch.ones(3, 1, 1, width, dtype=torch.bool)).narrowed(
+        sliding_window(width, 2, q.device)
+    )
     bias = torch.randn(1, 4, width, width)
     cases: list[tuple[Mask, torch.Tensor | None, float | None]] = [
         (padding, None, None),
@@ -252,7 +254,7 @@ def test_the_flash_kernel_keeps_what_every_score_at_once_does_not_win_or_cannot_
     q, k, v = qkv(2, 4, 8)
     empty = Mask(key_padding_mask(torch.tensor([[1] * 8, [0] * 8])))
     one_token = Mask(key_padding_mask(torch.tensor([[1] * 8, [1] + [0] * 7])))
-    window = one_token & sliding_window(8, 2, q.device)
+    window = one_token.narrowed(sliding_window(8, 2, q.device))
     assert not empty.every_query_sees_a_key and not window.every_query_sees_a_key
     for call in (
         lambda: attend(long_q, long_k, long_v, every),

@@ -1,0 +1,193 @@
+"""The encoder's passes compiled for a CPU, for the operator who asks for it (`--compile`).
+
+An eager CPU pass calls a few hundred small ops between its matrix products, each through
+Python and torch's dispatcher; on one sentence they cost about as much as the products. With
+torch.compile's inductor and the weights frozen into the graph, inductor lays the linear
+weights out for oneDNN itself, fuses what runs between the products (bias, activation,
+residual and LayerNorm, the heads' split and merge) into C++ loops, and calls all of it from
+generated C++ (`cpp_wrapper`): one Python call a pass. The price is start-up time (each graph
+compiles for seconds to tens of seconds) and a C++ compiler on the machine
+(docs/benchmarks.md has both).
+
+The graphs take any token count and batch size (dynamic shapes) and are all compiled at
+start-up (`compile_all`): one for a single input, one for batches, and both again with
+segment ids for a model that reads pairs. A compiled pass runs on the padded grid, its
+attention in `scaled_dot_product_attention` (model/packing.py's token packing and
+model/attention.py's other way read the mask's values, which a graph cannot). So a batch
+with padding runs compiled only where that measured faster at start-up than the eager pass
+on its real tokens (`padded_batches`: in bfloat16 on AMX, not in float32, whose products
+dominate a batch and grow with its padding). A pass that keeps attention maps, or that no
+graph fits, runs eagerly: nothing is compiled on a request's time. float32 and bfloat16
+only: int8's kernels take an opaque packed weight that no graph traces.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from model.architectures import Encoder
+from model.architectures.base import EncoderOutput
+from model.errors import CompileError
+
+log = logging.getLogger(__name__)
+
+# Inductor's settings while it compiles. Set as its configuration around the compiling calls:
+# handed to torch.compile as options, `freezing` came too late to freeze anything (the
+# weights stayed graph inputs, on plain GEMMs). Frozen weights are constants, which inductor
+# lays out for oneDNN once, and the generated C++ calls every kernel itself.
+INDUCTOR = {"freezing": True, "cpp_wrapper": True}
+COMPILED_DTYPES = (torch.float32, torch.bfloat16)
+# The token count of the inputs the graphs compile on: neither 0 nor 1, sizes that
+# torch.compile would specialise a graph to.
+SAMPLE_TOKENS = 8
+# The padded batch timed both ways at start-up: a batch of short inputs of many lengths, as
+# a server's length-grouped batches are at their worst (a third of it padding), each way
+# timed this many times, alternating, the fastest kept.
+SAMPLE_BATCH_LENGTHS = tuple(range(SAMPLE_TOKENS, 4 * SAMPLE_TOKENS, 2))
+SAMPLE_TIMINGS = 3
+# The graphs one forward function may hold (torch.compile's default is 8): shapes (2) x
+# segment ids or none (2) x thread counts (up to 2), and room to spare.
+RECOMPILE_LIMIT = 16
+
+
+def compile_unavailable(device: torch.device, dtype: torch.dtype, int8: bool) -> str | None:
+    """Why the encoder's passes cannot be compiled here, or None where they can."""
+    if device.type != "cpu":
+        return (
+            f"compile is for the CPU, not {device.type}: on a GPU the passes replay as CUDA "
+            "graphs (cuda_graphs)"
+        )
+    if int8 or dtype not in COMPILED_DTYPES:
+        return f"compile runs float32 and bfloat16, not {'int8' if int8 else dtype}"
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        return "compile needs a C++ compiler (g++) on the machine, and none was found"
+    return None
+
+
+class CompiledNetwork:
+    """An encoder's forward pass compiled by inductor, eager where no compiled graph fits.
+    Called on one thread (the engine's compute thread), as the eager network is."""
+
+    # What a pass does when its graph's guards do not hold after all: run eagerly (tests
+    # make it fail, to show that every pass `fits` promises runs compiled).
+    stance = "eager_on_recompile"
+
+    def __init__(self, network: Encoder, *, takes_types: bool) -> None:
+        """`takes_types`: the model reads pairs, whose passes take segment ids."""
+        self.network = network
+        self.takes_types = takes_types
+        self.graphs = 0
+        # The torch thread counts the graphs were compiled for: a graph holds only for the
+        # count it was compiled under (torch.compile guards on it), and an engine beside
+        # others changes its count per pass (app/cores.py).
+        self.thread_counts: frozenset[int] = frozenset()
+        # Whether a batch with padding runs compiled (see above); decided by `compile_all`.
+        self.padded_batches = False
+        self._compiled = torch.compile(network, dynamic=True, fullgraph=True)
+
+    def compile_all(self, thread_counts: Iterable[int]) -> int:
+        """Compile every graph for each of `thread_counts` now, not on requests' time, and
+        time a padded batch both ways; how many graphs."""
+        if self.graphs:
+            return self.graphs
+        own = torch.get_num_threads()
+        counts = sorted(set(thread_counts))
+        try:
+            for threads in counts:
+                torch.set_num_threads(threads)
+                for batch in (1, 2):
+                    for types in (False, True) if self.takes_types else (False,):
+                        started = time.perf_counter()
+                        self._compile(batch, types)
+                        self.graphs += 1
+                        log.info(
+                            "compiled the pass of %s%s on %d threads in %.1f s",
+                            "one input" if batch == 1 else "a batch",
+                            " with segment ids" if types else "",
+                            threads,
+                            time.perf_counter() - started,
+                        )
+        finally:
+            torch.set_num_threads(own)
+        self.thread_counts = frozenset(counts)
+        compiled, eager = self._padded_batch_seconds()
+        self.padded_batches = compiled <= eager
+        log.info(
+            "a padded batch took %.1f ms compiled, %.1f ms eagerly: padded batches run %s",
+            compiled * 1000,
+            eager * 1000,
+            "compiled" if self.padded_batches else "eagerly",
+        )
+        return self.graphs
+
+    def _compile(self, batch: int, types: bool) -> None:
+        """One graph, by a pass on inputs of its shape."""
+        ids = torch.full((batch, SAMPLE_TOKENS), self.network.config.pad_token_id + 1)
+        mask = torch.ones_like(ids)
+        segments = torch.zeros_like(ids) if types else None
+        # Imported here: they import torch._dynamo, seconds that an eager server never spends.
+        from torch._dynamo import config as dynamo
+        from torch._inductor import config as inductor
+
+        try:
+            with (
+                inductor.patch(INDUCTOR),
+                dynamo.patch(recompile_limit=RECOMPILE_LIMIT),
+                torch.inference_mode(),
+                warnings.catch_warnings(),
+            ):
+                # Inductor's own use of a torch API it deprecates: nothing to act on.
+                warnings.filterwarnings("ignore", r"`torch\.jit\.", DeprecationWarning)
+                self._compiled(ids, mask, segments)
+        except Exception as error:  # dynamo's and inductor's own, of many kinds
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise CompileError(
+                f"{type(self.network).__name__}'s pass cannot be compiled "
+                f"({type(error).__name__}: {first_line}); serve it without compile"
+            ) from error
+
+    def _padded_batch_seconds(self) -> tuple[float, float]:
+        """The fastest of SAMPLE_TIMINGS passes of a padded batch, compiled and eager."""
+        width = max(SAMPLE_BATCH_LENGTHS)
+        ids = torch.full((len(SAMPLE_BATCH_LENGTHS), width), self.network.config.pad_token_id)
+        mask = torch.zeros_like(ids)
+        for row, length in enumerate(SAMPLE_BATCH_LENGTHS):
+            ids[row, :length] = self.network.config.pad_token_id + 1
+            mask[row, :length] = 1
+        best = {"compiled": float("inf"), "eager": float("inf")}
+        ways: dict[str, Callable[..., object]] = {"compiled": self, "eager": self.network}
+        with torch.inference_mode():
+            for _ in range(SAMPLE_TIMINGS):
+                for name, way in ways.items():
+                    started = time.perf_counter()
+                    way(ids, mask, None)
+                    best[name] = min(best[name], time.perf_counter() - started)
+        return best["compiled"], best["eager"]
+
+    def fits(self, input_ids: Tensor, token_type_ids: Tensor | None) -> bool:
+        """Whether a compiled graph takes this pass: two tokens or more (a graph assumes
+        so), segment ids only where there are graphs for them, on a thread count compiled
+        for."""
+        return (
+            input_ids.shape[1] >= 2
+            and (token_type_ids is None or self.takes_types)
+            and torch.get_num_threads() in self.thread_counts
+        )
+
+    def __call__(
+        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None
+    ) -> EncoderOutput:
+        """The pass on the compiled graph that fits, else eagerly."""
+        if not self.fits(input_ids, token_type_ids):
+            eager: EncoderOutput = self.network(input_ids, attention_mask, token_type_ids)
+            return eager
+        with torch.compiler.set_stance(self.stance):
+            output: EncoderOutput = self._compiled(input_ids, attention_mask, token_type_ids)
+        return output

@@ -1,0 +1,182 @@
+"""The encoder's passes compiled by inductor (`compile`): the eager pass's numbers, every graph
+compiled at start-up, eager where no graph applies, refused where it cannot run.
+
+Every test here makes a compiled pass whose graph's guards fail raise rather than run
+eagerly (`CompiledNetwork.stance`): a pass that `fits` a graph must run on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tests.model.test_architectures as architectures
+from model import ConfigError, Embedder, Encoded, packing
+from model.compiled import CompiledNetwork, compile_unavailable
+from model.errors import CompileError
+from tests.helpers import every_map, make_random_checkpoint, write_sentence_transformers_files
+from tests.task_checkpoints import CLASSIFIERS, labelled, save_task_model
+
+TOLERANCE = 1e-5
+TEXTS = ["hello", "hello world", "the quick brown fox jumps over the lazy dog", "fox"]
+
+
+@pytest.fixture(autouse=True)
+def no_silent_eager_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(CompiledNetwork, "stance", "fail_on_recompile")
+
+
+def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny")
+    make_random_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def compiled(folder: Path) -> Embedder:
+    embedder = Embedder.from_folder(folder, torch.device("cpu"), torch.float32, compile=True)
+    # One input, and batches, on one thread and on two.
+    assert embedder.compile_passes([1, 2]) == 4
+    return embedder
+
+
+@pytest.fixture(scope="module")
+def eager(folder: Path) -> Embedder:
+    return Embedder.from_folder(folder, torch.device("cpu"), torch.float32)
+
+
+def batches(embedder: Embedder) -> list[list[Encoded]]:
+    """Single inputs of several lengths, a batch of equal lengths, and padded batches."""
+    encoded = embedder.tokenize(TEXTS)
+    alone = [[item] for item in encoded]
+    return [*alone, [encoded[2], encoded[2]], encoded, encoded[:2]]
+
+
+@pytest.mark.parametrize("padded_batches", [True, False], ids=["padded-compiled", "padded-eager"])
+def test_compiled_passes_give_the_eager_vectors_and_compile_nothing_more(
+    compiled: Embedder,
+    eager: Embedder,
+    padded_batches: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each batch, of any size and token count, on the graphs compiled at start-up, with
+    what a padded batch runs on chosen either way."""
+    assert compiled.compiled is not None
+    monkeypatch.setattr(compiled.compiled, "padded_batches", padded_batches)
+    for batch in batches(eager):
+        got = compiled.forward(batch, token_embeddings=True)
+        want = eager.forward(batch, token_embeddings=True)
+        assert largest_difference(got.pooled, want.pooled) <= TOLERANCE
+        assert got.token_embeddings is not None and want.token_embeddings is not None
+        for mine, theirs in zip(got.token_embeddings, want.token_embeddings, strict=True):
+            assert largest_difference(mine, theirs) <= TOLERANCE
+
+
+def test_a_pass_runs_on_the_graph_of_its_thread_count(compiled: Embedder, eager: Embedder) -> None:
+    """Engines on one CPU change their thread count per pass (app/cores.py), and a graph
+    holds for the count it was compiled under: each count compiled for runs its own graph,
+    any other runs eagerly."""
+    assert compiled.compiled is not None
+    batch = eager.tokenize(TEXTS[2:3])
+    ids = torch.tensor([batch[0].ids])
+    threads = torch.get_num_threads()
+    try:
+        for count, fits in ((1, True), (2, True), (3, False)):
+            torch.set_num_threads(count)
+            assert compiled.compiled.fits(ids, None) is fits
+            got = compiled.forward(batch).pooled
+            assert largest_difference(got, eager.forward(batch).pooled) <= TOLERANCE
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_one_token_input_and_unexpected_segment_ids_run_eagerly(
+    compiled: Embedder, eager: Embedder
+) -> None:
+    """A graph assumes two tokens or more, and an embedding model's graphs take no segment
+    ids."""
+    assert compiled.compiled is not None
+    one_token = torch.tensor([[7]])
+    assert not compiled.compiled.fits(one_token, None)
+    assert not compiled.compiled.fits(torch.tensor([[7, 8]]), torch.zeros(1, 2, dtype=torch.long))
+    got = compiled.forward([[7]]).pooled
+    assert largest_difference(got, eager.forward([[7]]).pooled) <= TOLERANCE
+
+
+def test_attention_maps_come_from_the_eager_pass(compiled: Embedder, eager: Embedder) -> None:
+    """A graph keeps no probabilities: a pass asked for maps runs eagerly, with the same
+    states and maps."""
+    batch = eager.tokenize(TEXTS)
+    maps = every_map(eager)
+    got = compiled.forward(batch, attention=maps)
+    want = eager.forward(batch, attention=maps)
+    assert got.attentions is not None and want.attentions is not None
+    assert largest_difference(got.pooled, want.pooled) <= TOLERANCE
+    for mine, theirs in zip(got.attentions, want.attentions, strict=True):
+        for layer in maps.layers:
+            assert largest_difference(mine[layer], theirs[layer]) <= TOLERANCE
+
+
+def test_a_pair_model_compiles_its_passes_with_segment_ids(tmp_path: Path) -> None:
+    """A cross-encoder reads pairs, whose passes take segment ids: graphs for them too."""
+    save_task_model(tmp_path, CLASSIFIERS["bert"], "bert", **labelled(3))
+    eager = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32)
+    compiled = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32, compile=True)
+    assert compiled.compile_passes() == 4
+    pairs = eager.tokenize_pairs([("hello", "hello world"), ("fox", "the lazy dog")])
+    for batch in ([pairs[0]], pairs):
+        got = compiled.forward(batch).pooled
+        assert largest_difference(got, eager.forward(batch).pooled) <= TOLERANCE
+
+
+def test_masks_narrowed_by_a_sliding_window_compile(tmp_path: Path) -> None:
+    """ModernBERT's local layers restrict the padding mask further (`Mask.narrowed`)."""
+    architectures.save_reference(tmp_path, "modernbert")
+    eager = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32)
+    compiled = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32, compile=True)
+    assert compiled.compile_passes() == 2
+    batch, _, _ = architectures.padded_batch(0)
+    for each in ([batch[1]], batch):
+        got = compiled.forward(each).pooled
+        assert largest_difference(got, eager.forward(each).pooled) <= TOLERANCE
+
+
+def test_a_pass_that_cannot_be_compiled_refuses_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One that no graph can hold whole (here its token layout made to break the graph, as
+    code reading its tensors' values would) names the network and says what to do."""
+    make_random_checkpoint(tmp_path)
+    laying_out = packing.TokenLayout.from_mask.__func__  # type: ignore[attr-defined]
+
+    def breaks_the_graph(cls: type[packing.TokenLayout], mask: torch.Tensor) -> object:
+        torch._dynamo.graph_break()
+        return laying_out(cls, mask)
+
+    monkeypatch.setattr(packing.TokenLayout, "from_mask", classmethod(breaks_the_graph))
+    embedder = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32, compile=True)
+    with pytest.raises(CompileError, match="TransformerEncoder's pass cannot be compiled"):
+        embedder.compile_passes()
+
+
+def test_compile_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
+    cpu = torch.device("cpu")
+    assert "on a GPU" in str(compile_unavailable(torch.device("cuda"), torch.float16, False))
+    assert "not int8" in str(compile_unavailable(cpu, torch.float32, True))
+    assert "not torch.float16" in str(compile_unavailable(cpu, torch.float16, False))
+    make_random_checkpoint(tmp_path)
+    write_sentence_transformers_files(tmp_path)
+    with pytest.raises(ConfigError, match="compile runs float32 and bfloat16, not int8"):
+        Embedder.load(str(tmp_path), device="cpu", dtype="int8", compile=True)
+
+
+def test_without_a_compiler_compile_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("model.compiled.shutil.which", lambda name: None)
+    refusal = compile_unavailable(torch.device("cpu"), torch.float32, False)
+    assert refusal is not None and "C++ compiler" in refusal
