@@ -13,8 +13,9 @@ TORCH_INDEX_URL ?=
 TORCH := torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 # Debian packages the tests drive for real (installed when missing; needs root or sudo):
 # haproxy and prometheus run deploy/'s files in tests/deploy/test_compose_topology.py,
-# chromium is driven by tests/browser, wrk loads the server in the soak test.
-APT_PACKAGES := chromium haproxy prometheus wrk
+# chromium is driven by tests/browser, wrk loads the server in the soak test, g++ compiles
+# the passes of tests/model/test_compiled.py.
+APT_PACKAGES := chromium g++ haproxy prometheus wrk
 # Only for `make docker-test`: a private Docker engine, a locally built base image, and
 # Debian's docker-compose for a smoke test of docker-compose.yml.
 DOCKER_TEST_PACKAGES := docker.io debootstrap docker-compose

@@ -66,7 +66,9 @@ def over_budget(settings: Settings, folders: dict[str, Path]) -> str | None:
     dtype they run in, once per GPU they are on and, on the CPU, once per engine where each
     lays its linear layers out for its kernel (`prepack`), else once for all (which share one
     copy), and once more for each graph inductor compiles (`compile`: one input and batches,
-    on each thread count a pass may run on). The engines' working memory is not counted."""
+    on each thread count a pass may run on; twice that for a model that reads pairs, which is
+    not known before it loads). An estimate: the engines' working memory and inductor's own
+    are not counted."""
     if settings.memory_budget_mb is None:
         return None
     gpus = sum(1 for device in settings.devices if device.startswith("cuda"))

@@ -259,7 +259,7 @@ class Settings(BaseSettings):
         False,
         description=(
             "On a CPU, in float32 or bfloat16, compile the encoder's passes with torch.compile "
-            "(inductor) at start-up: single inputs about a fifth to a quarter faster "
+            "(inductor) at start-up: a single input a sixth to a fifth faster in one process "
             "(docs/benchmarks.md), for tens of seconds more to start and hundreds of MiB more "
             "per engine; needs a C++ compiler (g++). A pass that keeps attention maps runs "
             "eagerly."

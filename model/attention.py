@@ -165,9 +165,9 @@ def _scores_at_once(q: Tensor, k: Tensor, mask: Mask) -> bool:
     float32 on a CPU, short inputs, and no query whose keys are all masked. Only the mask is
     asked: a position bias (MPNet's, ALiBi's) is finite everywhere. Never in a compiled pass
     (model/compiled.py), whose graph cannot ask the mask."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[-2] != k.shape[-2]:
+    if torch.compiler.is_compiling():  # first: a comparison of sizes would tie the graph
         return False
-    if torch.compiler.is_compiling():
+    if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[-2] != k.shape[-2]:
         return False
     limit = SCORES_AT_ONCE_KEYS if torch.get_num_threads() > 1 else SCORES_AT_ONCE_KEYS_ONE_THREAD
     return k.shape[-2] <= limit and mask.every_query_sees_a_key

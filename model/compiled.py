@@ -3,22 +3,24 @@
 An eager CPU pass calls a few hundred small ops between its matrix products, each through
 Python and torch's dispatcher; on one sentence they cost about as much as the products. With
 torch.compile's inductor and the weights frozen into the graph, inductor lays the linear
-weights out for oneDNN itself, fuses what runs between the products (bias, activation,
-residual and LayerNorm, the heads' split and merge) into C++ loops, and calls all of it from
-generated C++ (`cpp_wrapper`): one Python call a pass. The price is start-up time (each graph
-compiles for seconds to tens of seconds) and a C++ compiler on the machine
-(docs/benchmarks.md has both).
+weights out for oneDNN itself (tracing `F.linear` on the checkpoint's weight, which a
+prepacked layer keeps for it: model/prepacked.py), fuses what runs between the products
+(bias, activation, residual and LayerNorm, the heads' split and merge) into C++ loops, and
+calls all of it from generated C++ (`cpp_wrapper`): one Python call a pass. The price is
+start-up time (each graph compiles for seconds to tens of seconds), memory (each graph holds
+its own layout of the weights) and a C++ compiler on the machine (docs/benchmarks.md).
 
-The graphs take any token count and batch size (dynamic shapes) and are all compiled at
-start-up (`compile_all`): one for a single input, one for batches, and both again with
-segment ids for a model that reads pairs. A compiled pass runs on the padded grid, its
-attention in `scaled_dot_product_attention` (model/packing.py's token packing and
-model/attention.py's other way read the mask's values, which a graph cannot). So a batch
-with padding runs compiled only where that measured faster at start-up than the eager pass
-on its real tokens (`padded_batches`: in bfloat16 on AMX, not in float32, whose products
-dominate a batch and grow with its padding). A pass that keeps attention maps, or that no
-graph fits, runs eagerly: nothing is compiled on a request's time. float32 and bfloat16
-only: int8's kernels take an opaque packed weight that no graph traces.
+The graphs take any batch size and token count up to MAX_TOKENS (dynamic shapes) and are all
+compiled at start-up (`compile_all`): one for a single input, one for batches, and both
+again with segment ids for a model that reads pairs, for each thread count a pass may run
+on. A compiled pass runs on the padded grid, its attention in
+`scaled_dot_product_attention` (model/packing.py's token packing and model/attention.py's
+other way read the mask's values, which a graph cannot). So a batch with padding runs
+compiled only where that measured faster at start-up than the eager pass on its real tokens
+(`padded_batches`: in bfloat16 on AMX, not in float32, whose products dominate a batch and
+grow with its padding). A pass that keeps attention maps, or that no graph takes, runs
+eagerly: nothing is compiled on a request's time. float32 and bfloat16 only: int8's kernels
+take an opaque packed weight that no graph traces.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import logging
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import Tensor
@@ -35,6 +37,7 @@ from torch import Tensor
 from model.architectures import Encoder
 from model.architectures.base import EncoderOutput
 from model.errors import CompileError
+from model.packing import FEED_FORWARD_CHUNK
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +55,17 @@ SAMPLE_TOKENS = 8
 # timed this many times, alternating, the fastest kept.
 SAMPLE_BATCH_LENGTHS = tuple(range(SAMPLE_TOKENS, 4 * SAMPLE_TOKENS, 2))
 SAMPLE_TIMINGS = 3
-# The graphs one forward function may hold (torch.compile's default is 8): shapes (2) x
-# segment ids or none (2) x thread counts (up to 2), and room to spare.
-RECOMPILE_LIMIT = 16
+# The most padded tokens a compiled pass runs. A larger eager pass runs its feed-forward a
+# chunk at a time (model/packing.py), its 4x-wide intermediate kept in cache, which a graph
+# cannot (the chunks' count would be a symbol), and its steps between the products are a
+# small share of it: in a server's one-thread engines, bfloat16's long passages ran compiled
+# at 0.77x their eager texts/s (docs/benchmarks.md).
+MAX_TOKENS = FEED_FORWARD_CHUNK
+# The graphs one forward function may hold (torch.compile's default is 8), shared by every
+# model of one architecture in the process: per model, shapes (2) x segment ids or none (2) x
+# thread counts (up to 2). Past it torch.compile would run the pass eagerly, silently:
+# `_compile` refuses instead.
+RECOMPILE_LIMIT = 64
 
 
 def compile_unavailable(device: torch.device, dtype: torch.dtype, int8: bool) -> str | None:
@@ -92,9 +103,10 @@ class CompiledNetwork:
         self.padded_batches = False
         self._compiled = torch.compile(network, dynamic=True, fullgraph=True)
 
-    def compile_all(self, thread_counts: Iterable[int]) -> int:
+    def compile_all(self, thread_counts: Collection[int]) -> int:
         """Compile every graph for each of `thread_counts` now, not on requests' time, and
-        time a padded batch both ways; how many graphs."""
+        time a padded batch both ways (on this thread's count where it is one of them); how
+        many graphs. Once: the counts of a later call are not compiled."""
         if self.graphs:
             return self.graphs
         own = torch.get_num_threads()
@@ -114,10 +126,11 @@ class CompiledNetwork:
                             threads,
                             time.perf_counter() - started,
                         )
+            self.thread_counts = frozenset(counts)
+            torch.set_num_threads(own if own in self.thread_counts else counts[0])
+            compiled, eager = self._padded_batch_seconds()
         finally:
             torch.set_num_threads(own)
-        self.thread_counts = frozenset(counts)
-        compiled, eager = self._padded_batch_seconds()
         self.padded_batches = compiled <= eager
         log.info(
             "a padded batch took %.1f ms compiled, %.1f ms eagerly: padded batches run %s",
@@ -134,8 +147,11 @@ class CompiledNetwork:
         segments = torch.zeros_like(ids) if types else None
         # Imported here: they import torch._dynamo, seconds that an eager server never spends.
         from torch._dynamo import config as dynamo
+        from torch._dynamo.utils import counters
         from torch._inductor import config as inductor
 
+        name = type(self.network).__name__
+        graphs_before = counters["stats"]["unique_graphs"]
         try:
             with (
                 inductor.patch(INDUCTOR),
@@ -149,9 +165,14 @@ class CompiledNetwork:
         except Exception as error:  # dynamo's and inductor's own, of many kinds
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
             raise CompileError(
-                f"{type(self.network).__name__}'s pass cannot be compiled "
-                f"({type(error).__name__}: {first_line}); serve it without compile"
+                f"{name}'s pass cannot be compiled ({type(error).__name__}: {first_line}); "
+                "serve it without compile"
             ) from error
+        if counters["stats"]["unique_graphs"] != graphs_before + 1:
+            raise CompileError(
+                f"{name}'s pass made no graph: torch.compile holds at most {RECOMPILE_LIMIT} "
+                "for the models of one architecture in a process; compile fewer of them"
+            )
 
     def _padded_batch_seconds(self) -> tuple[float, float]:
         """The fastest of SAMPLE_TIMINGS passes of a padded batch, compiled and eager."""
@@ -173,10 +194,11 @@ class CompiledNetwork:
 
     def fits(self, input_ids: Tensor, token_type_ids: Tensor | None) -> bool:
         """Whether a compiled graph takes this pass: two tokens or more (a graph assumes
-        so), segment ids only where there are graphs for them, on a thread count compiled
-        for."""
+        so) and at most MAX_TOKENS in all, segment ids only where there are graphs for them,
+        on a thread count compiled for."""
         return (
             input_ids.shape[1] >= 2
+            and input_ids.numel() <= MAX_TOKENS
             and (token_type_ids is None or self.takes_types)
             and torch.get_num_threads() in self.thread_counts
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,18 +119,20 @@ class Embedder:
         self.prepacked = 0
         # Or in int8 where the operator asked for it (model/int8.py); how many.
         self.quantized = 0
-        # Or compiled where the operator asked for it (model/compiled.py): its plain linear
-        # layers, which inductor lays out itself.
-        self.compiled: CompiledNetwork | None = None
-        if compile:
-            if refusal := compile_unavailable(self.device, first.dtype, info.dtype == INT8):
-                raise ConfigError(refusal)
-            pairs = MODEL_TASKS[info.task].reads_pairs and network.config.type_vocab_size > 1
-            self.compiled = CompiledNetwork(network, takes_types=pairs)
-        elif info.dtype == INT8:
+        int8 = info.dtype == INT8
+        if compile and (refusal := compile_unavailable(self.device, first.dtype, int8)):
+            raise ConfigError(refusal)
+        if int8:
             self.quantized = quantize_linears(network, weight_levels(cpu_flags()))
         elif prepack and can_prepack(self.device, first.dtype):
-            self.prepacked = prepack_linears(network)
+            # Compiled passes trace the checkpoint's weights, kept beside the packed ones.
+            self.prepacked = prepack_linears(network, traceable=compile)
+        # Compiled where the operator asked for it (model/compiled.py); eager passes keep
+        # their prepacked layers.
+        self.compiled: CompiledNetwork | None = None
+        if compile:
+            pairs = MODEL_TASKS[info.task].reads_pairs and network.config.type_vocab_size > 1
+            self.compiled = CompiledNetwork(network, takes_types=pairs)
         # Last, once the layers are swapped: what each pass reads, found at once.
         bind_attributes(network, head)
 
@@ -253,9 +255,8 @@ class Embedder:
         maps = MapRequest(frozenset(attention.layers), attention.heads) if attention else None
         with torch.inference_mode():
             types = type_ids.to(self.device) if type_ids is not None else None
-            if self._compiled_pass(maps, lengths, width):
-                assert self.compiled is not None
-                out = self.compiled(input_ids, attention_mask, types)
+            if compiled := self._compiled_pass(maps, lengths, width):
+                out = compiled(input_ids, attention_mask, types)
             else:
                 out = self.network(input_ids, attention_mask, types, maps)
             if isinstance(self.head, EmbeddingPipeline):
@@ -272,12 +273,16 @@ class Embedder:
                 attentions = _per_input_maps(out.maps, lengths, attention.mean)
         return BatchOutput(pooled, tokens, attentions)
 
-    def _compiled_pass(self, maps: MapRequest | None, lengths: np.ndarray, width: int) -> bool:
-        """Whether a pass runs on a compiled graph (model/compiled.py): not one that keeps
-        attention maps, nor a batch with padding where that measured slower."""
+    def _compiled_pass(
+        self, maps: MapRequest | None, lengths: np.ndarray, width: int
+    ) -> CompiledNetwork | None:
+        """What runs a pass compiled (model/compiled.py), or None where it runs eagerly: one
+        that keeps attention maps, or a batch with padding where that measured slower."""
         if self.compiled is None or maps is not None:
-            return False
-        return self.compiled.padded_batches or bool(lengths.min(initial=width) == width)
+            return None
+        if self.compiled.padded_batches or lengths.min(initial=width) == width:
+            return self.compiled
+        return None
 
     def graph_shape(
         self,
@@ -336,7 +341,7 @@ class Embedder:
         result: FloatArray = torch.cat(pooled).numpy()
         return result
 
-    def compile_passes(self, thread_counts: Iterable[int] = ()) -> int:
+    def compile_passes(self, thread_counts: Collection[int] = ()) -> int:
         """Compile the passes for each of `thread_counts` (default: the thread count now)
         now, not on requests' time; how many graphs (0 where they run eagerly)."""
         if self.compiled is None:
@@ -353,6 +358,8 @@ class Embedder:
     def share_weights(self, store: WeightStore) -> bool:
         """Hold the weights in `store`, shared with the other processes of one server on a
         CPU (model/shared_weights.py); False where they stay private (a GPU's, for one)."""
+        # Before compiling: the graphs hold the weights they were compiled with.
+        assert self.compiled is None or not self.compiled.graphs, "share, then compile"
         if not store.adopt([self.network, self.head]):
             return False
         bind_attributes(self.network, self.head)  # the shared twins, set in place of the own

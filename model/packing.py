@@ -86,9 +86,10 @@ FEED_FORWARD_CHUNK = 1024
 
 def in_row_chunks(function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """Apply a row-wise function to (N, D) tokens, FEED_FORWARD_CHUNK rows at a time on CPU."""
+    # A compiled pass (model/compiled.py) runs whole, and asked first: its row count is a
+    # symbol, and a comparison of it would tie the graph to the answer.
     rows = x.shape[0]
-    # A compiled pass (model/compiled.py) runs whole: its row count is a symbol, not a loop's.
-    if x.device.type != "cpu" or rows <= FEED_FORWARD_CHUNK or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or rows <= FEED_FORWARD_CHUNK:
         return function(x)
     out = torch.empty_like(x)
     for start in range(0, rows, FEED_FORWARD_CHUNK):

@@ -27,6 +27,7 @@ import logging
 import platform
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.activations import Activation, activate
@@ -60,15 +61,17 @@ POST_OPS = {"gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("r
 
 
 def linear_activated(layer: nn.Module, x: Tensor, activation: Activation) -> Tensor:
-    """`activation(layer(x))`, fused where the layer's kernel can."""
-    if isinstance(layer, PrepackedLinear):
+    """`activation(layer(x))`, fused where the layer's kernel can (not in a compiled pass,
+    whose compiler fuses it)."""
+    if isinstance(layer, PrepackedLinear) and not torch.compiler.is_compiling():
         return layer.activated(x, activation)
     return activate(layer(x), activation)
 
 
 def linear_plus(layer: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
-    """`layer(x) + residual`, fused where the layer's kernel can."""
-    if isinstance(layer, PrepackedLinear):
+    """`layer(x) + residual`, fused where the layer's kernel can (not in a compiled pass,
+    whose compiler fuses it)."""
+    if isinstance(layer, PrepackedLinear) and not torch.compiler.is_compiling():
         return layer.plus(x, residual)
     out: Tensor = layer(x) + residual
     return out
@@ -83,9 +86,23 @@ class PrepackedLinear(FrozenLinear):
     refusal = "a prepacked linear layer cannot be {}: build the model with prepack=False"
     packed: Tensor
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, *, traceable: bool = False) -> None:
+        """`traceable`: keep the checkpoint's weight too, for compiled passes
+        (model/compiled.py), which trace `F.linear` on it and lay it out themselves (a
+        packed weight is opaque to them)."""
         super().__init__(linear)
         self.bias = linear.bias
+        self.weight = linear.weight if traceable else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            assert self.weight is not None, "a compiled pass needs prepack_linears(traceable)"
+            return F.linear(x, self.weight, self.bias)
+        return self._product(x)
+
+    def _product(self, x: Tensor) -> Tensor:
+        """The product on the packed weight."""
+        raise NotImplementedError
 
     def activated(self, x: Tensor, activation: Activation) -> Tensor:
         """`activation(self(x))`, as each kernel does it best."""
@@ -108,18 +125,18 @@ class MklLinear(PrepackedLinear):
     follow as steps of their own. MKL lays the weight out for the threads that pack it: load
     the model on the most threads a pass will run on (app/engine/model_engine.py does)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__(linear)
+    def __init__(self, linear: nn.Linear, *, traceable: bool = False) -> None:
+        super().__init__(linear, traceable=traceable)
         weight = linear.weight.detach()
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, EXPECTED_ROWS)
         # Told each call's own row count, the op takes MKL's packed path and reads the
         # checkpoint's weight for its shape only: a view of one zero stands in, and the weight
-        # is freed. MKL's packed layout does not depend on the row count (`agrees`, checked
-        # at load; test_prepacked). Off that path the op would multiply by the stand-in,
-        # silently.
+        # is freed (unless `traceable`). MKL's packed layout does not depend on the row count
+        # (`agrees`, checked at load; test_prepacked). Off that path the op would multiply by
+        # the stand-in, silently.
         self.weight_stand_in = weight.new_zeros(()).expand_as(weight)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _product(self, x: Tensor) -> Tensor:
         flat = as_rows(x)
         out: Tensor = torch.ops.mkl._mkl_linear(
             flat, self.packed, self.weight_stand_in, self.bias, flat.shape[0]
@@ -151,11 +168,11 @@ class OnednnLinear(PrepackedLinear):
     """The product in oneDNN, on its rows padded to their bucket, with the activation or the
     residual as a post-op."""
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__(linear)
+    def __init__(self, linear: nn.Linear, *, traceable: bool = False) -> None:
+        super().__init__(linear, traceable=traceable)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), EXPECTED_ROWS)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _product(self, x: Tensor) -> Tensor:
         flat, rows = padded_rows(x)
         out: Tensor = torch.ops.mkldnn._linear_pointwise(
             flat, self.packed, self.bias, "none", [], ""
@@ -229,16 +246,19 @@ def mkl_packs_float32() -> bool:
     return bool(mkl and onednn) and cpu_vendor() == "GenuineIntel"
 
 
-def packed_twin(linear: nn.Linear) -> PrepackedLinear | None:
-    """`linear` on the kernel that runs its dtype here, or None where it is not worth it."""
+def packed_twin(linear: nn.Linear, *, traceable: bool = False) -> PrepackedLinear | None:
+    """`linear` on the kernel that runs its dtype here, or None where it is not worth it;
+    `traceable`: see PrepackedLinear."""
     size = linear.weight.numel()
     if linear.weight.dtype != torch.float32:
-        return OnednnLinear(linear)
+        return OnednnLinear(linear, traceable=traceable)
     if not mkl_packs_float32():
-        return OnednnLinear(linear) if size >= MIN_ONEDNN_FLOAT32_WEIGHTS else None
+        if size < MIN_ONEDNN_FLOAT32_WEIGHTS:
+            return None
+        return OnednnLinear(linear, traceable=traceable)
     if size < MIN_MKL_WEIGHTS:
         return None
-    twin = MklLinear(linear)
+    twin = MklLinear(linear, traceable=traceable)
     if twin.agrees(linear):
         return twin
     log.warning("MKL's packed products differ from torch's here: F.linear instead")
@@ -251,9 +271,9 @@ def kernel_names(network: nn.Module) -> str:
     return ", ".join(sorted(names))
 
 
-def prepack_linears(network: nn.Module) -> int:
+def prepack_linears(network: nn.Module, *, traceable: bool = False) -> int:
     """Swap every `nn.Linear` inside `network` that is worth it for its prepacked twin; how
-    many."""
+    many. `traceable`: see PrepackedLinear."""
     swapped = 0
     for module in list(network.modules()):
         for name, child in list(module.named_children()):
@@ -261,7 +281,7 @@ def prepack_linears(network: nn.Module) -> int:
             # reads its out_proj.weight itself).
             if type(child) is not nn.Linear:
                 continue
-            twin = packed_twin(child)
+            twin = packed_twin(child, traceable=traceable)
             if twin is not None:
                 setattr(module, name, twin)
                 swapped += 1

@@ -80,9 +80,11 @@ FULL_TIER_TESTS: dict[str, set[str]] = {
     # Graphs compiled by inductor: seconds to tens of seconds each.
     "tests/model/test_compiled.py": {
         "test_compiled_passes_give_the_eager_vectors_and_compile_nothing_more",
+        "test_passes_of_up_to_max_tokens_run_on_the_graphs_and_larger_ones_eagerly",
         "test_a_pass_runs_on_the_graph_of_its_thread_count",
         "test_a_one_token_input_and_unexpected_segment_ids_run_eagerly",
         "test_attention_maps_come_from_the_eager_pass",
+        "test_prepacked_layers_compile_on_the_checkpoints_weights",
         "test_a_pair_model_compiles_its_passes_with_segment_ids",
         "test_masks_narrowed_by_a_sliding_window_compile",
         "test_a_pass_that_cannot_be_compiled_refuses_to_start",

@@ -105,7 +105,7 @@ class ModelEngine:
             log.info("%d linear layers prepacked (%s)", embedder.prepacked, kernels)
         if embedder.quantized:
             log.info("%d linear layers in int8", embedder.quantized)
-        if self.weights is not None:
+        if self.weights is not None:  # before the warm-up, whose graphs keep the weights
             compute.submit(embedder.share_weights, self.weights).result()
         # A lone pass takes all the engines' cores, a pass beside others its own share.
         seconds_per_token = compute.submit(self._warm_up, embedder, {threads, most}).result()

@@ -13,6 +13,7 @@ import pytest
 
 from app.params import EncodeOptions
 from model import AttentionSpec, Embedder, finish
+from model.compiled import CompiledNetwork
 from model.tokenizer import NO_DETAILS
 from tests.app.conftest import Placement, local_engine, make_settings, running_app, service_of
 from tests.helpers import TINY_VOCAB
@@ -77,9 +78,11 @@ async def test_embed_matches_the_model(
 
 
 async def test_a_compiled_server_answers_as_the_model_does(
-    tiny_checkpoint: Path, tiny_embedder: Embedder
+    tiny_checkpoint: Path, tiny_embedder: Embedder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`compile`: the passes compiled at start-up, one input or several."""
+    """`compile`: the passes compiled at start-up, one input or several (a pass sent to a
+    graph whose guards fail raises here rather than run eagerly)."""
+    monkeypatch.setattr(CompiledNetwork, "stance", "fail_on_recompile")
     settings = make_settings(tiny_checkpoint, compile=True)
     async with running_app(settings, ready_within=120) as (app, client):
         embedder = local_engine(app).model.embedder

@@ -15,7 +15,9 @@ from bench.wrk import WrkResult, peak_kib
 def test_the_ceiling_process_measures_each_figure_it_is_asked_for(
     tiny_checkpoint: Path,
 ) -> None:
-    args = argparse.Namespace(threads=1, device="cpu", model_id=str(tiny_checkpoint), prepack=True)
+    args = argparse.Namespace(
+        threads=1, device="cpu", model_id=str(tiny_checkpoint), prepack=True, compile=False
+    )
     with Reference("float32", args) as reference:
         full = reference.ask("full")
         assert set(full) == {"short", "long", "single_p50_ms", "peak_rss_mib"}

@@ -2,10 +2,13 @@
 compiled at start-up, eager where no graph applies, refused where it cannot run.
 
 Every test here makes a compiled pass whose graph's guards fail raise rather than run
-eagerly (`CompiledNetwork.stance`): a pass that `fits` a graph must run on it."""
+eagerly (`CompiledNetwork.stance`), and counts the passes that ran on a graph: a pass sent
+to a graph must run on it, and the passes that should be are."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,8 +16,9 @@ import torch
 
 import tests.model.test_architectures as architectures
 from model import ConfigError, Embedder, Encoded, packing
-from model.compiled import CompiledNetwork, compile_unavailable
+from model.compiled import MAX_TOKENS, CompiledNetwork, compile_unavailable
 from model.errors import CompileError
+from model.prepacked import can_prepack
 from tests.helpers import every_map, make_random_checkpoint, write_sentence_transformers_files
 from tests.task_checkpoints import CLASSIFIERS, labelled, save_task_model
 
@@ -22,9 +26,34 @@ TOLERANCE = 1e-5
 TEXTS = ["hello", "hello world", "the quick brown fox jumps over the lazy dog", "fox"]
 
 
-@pytest.fixture(autouse=True)
-def no_silent_eager_passes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(CompiledNetwork, "stance", "fail_on_recompile")
+@pytest.fixture(scope="module", autouse=True)
+def no_silent_eager_passes() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CompiledNetwork, "stance", "fail_on_recompile")
+        yield
+
+
+def graph_runs(embedder: Embedder, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, one entry per pass that runs on a compiled graph."""
+    assert embedder.compiled is not None
+    runs: list[int] = []
+    on_graphs = embedder.compiled._compiled
+
+    def counted(*inputs: torch.Tensor | None) -> object:
+        runs.append(1)
+        return on_graphs(*inputs)
+
+    monkeypatch.setattr(embedder.compiled, "_compiled", counted)
+    return runs
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """A thread count `compiled` has graphs for, whatever the machine's own."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -58,6 +87,7 @@ def batches(embedder: Embedder) -> list[list[Encoded]]:
     return [*alone, [encoded[2], encoded[2]], encoded, encoded[:2]]
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("padded_batches", [True, False], ids=["padded-compiled", "padded-eager"])
 def test_compiled_passes_give_the_eager_vectors_and_compile_nothing_more(
     compiled: Embedder,
@@ -69,20 +99,47 @@ def test_compiled_passes_give_the_eager_vectors_and_compile_nothing_more(
     what a padded batch runs on chosen either way."""
     assert compiled.compiled is not None
     monkeypatch.setattr(compiled.compiled, "padded_batches", padded_batches)
-    for batch in batches(eager):
+    runs = graph_runs(compiled, monkeypatch)
+    every = batches(eager)
+    padded = [batch for batch in every if len({len(item.ids) for item in batch}) > 1]
+    assert len(padded) == 2
+    for batch in every:
         got = compiled.forward(batch, token_embeddings=True)
         want = eager.forward(batch, token_embeddings=True)
         assert largest_difference(got.pooled, want.pooled) <= TOLERANCE
         assert got.token_embeddings is not None and want.token_embeddings is not None
         for mine, theirs in zip(got.token_embeddings, want.token_embeddings, strict=True):
             assert largest_difference(mine, theirs) <= TOLERANCE
+    assert len(runs) == len(every) - (0 if padded_batches else len(padded))
 
 
-def test_a_pass_runs_on_the_graph_of_its_thread_count(compiled: Embedder, eager: Embedder) -> None:
+@pytest.mark.usefixtures("one_thread")
+def test_passes_of_up_to_max_tokens_run_on_the_graphs_and_larger_ones_eagerly(
+    compiled: Embedder, eager: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of MAX_TOKENS padded tokens and one long input run compiled (no size in
+    between ties a graph); a batch of more runs eagerly, its feed-forward in chunks."""
+    runs = graph_runs(compiled, monkeypatch)
+    rows = MAX_TOKENS // 32
+    for batch, on_graphs in (
+        ([[2, *range(10, 40), 3]] * rows, True),
+        ([[2, *range(10, 48), 3]], True),
+        ([[2, *range(10, 40), 3]] * (rows + 1), False),
+    ):
+        runs.clear()
+        got = compiled.forward(batch).pooled
+        assert largest_difference(got, eager.forward(batch).pooled) <= TOLERANCE
+        assert len(runs) == on_graphs
+
+
+def test_a_pass_runs_on_the_graph_of_its_thread_count(
+    compiled: Embedder, eager: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Engines on one CPU change their thread count per pass (app/cores.py), and a graph
     holds for the count it was compiled under: each count compiled for runs its own graph,
     any other runs eagerly."""
     assert compiled.compiled is not None
+    runs = graph_runs(compiled, monkeypatch)
     batch = eager.tokenize(TEXTS[2:3])
     ids = torch.tensor([batch[0].ids])
     threads = torch.get_num_threads()
@@ -90,23 +147,28 @@ def test_a_pass_runs_on_the_graph_of_its_thread_count(compiled: Embedder, eager:
         for count, fits in ((1, True), (2, True), (3, False)):
             torch.set_num_threads(count)
             assert compiled.compiled.fits(ids, None) is fits
+            runs.clear()
             got = compiled.forward(batch).pooled
+            assert len(runs) == fits
             assert largest_difference(got, eager.forward(batch).pooled) <= TOLERANCE
     finally:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_a_one_token_input_and_unexpected_segment_ids_run_eagerly(
-    compiled: Embedder, eager: Embedder
+    compiled: Embedder, eager: Embedder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A graph assumes two tokens or more, and an embedding model's graphs take no segment
     ids."""
     assert compiled.compiled is not None
+    runs = graph_runs(compiled, monkeypatch)
     one_token = torch.tensor([[7]])
     assert not compiled.compiled.fits(one_token, None)
     assert not compiled.compiled.fits(torch.tensor([[7, 8]]), torch.zeros(1, 2, dtype=torch.long))
     got = compiled.forward([[7]]).pooled
     assert largest_difference(got, eager.forward([[7]]).pooled) <= TOLERANCE
+    assert not runs
 
 
 def test_attention_maps_come_from_the_eager_pass(compiled: Embedder, eager: Embedder) -> None:
@@ -123,28 +185,70 @@ def test_attention_maps_come_from_the_eager_pass(compiled: Embedder, eager: Embe
             assert largest_difference(mine[layer], theirs[layer]) <= TOLERANCE
 
 
-def test_a_pair_model_compiles_its_passes_with_segment_ids(tmp_path: Path) -> None:
-    """A cross-encoder reads pairs, whose passes take segment ids: graphs for them too."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_layers_compile_on_the_checkpoints_weights(
+    tmp_path: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layers large enough to be prepacked (model/prepacked.py) run packed eagerly and
+    `F.linear` on the checkpoint's weight in a graph: both give the eager model's vectors."""
+    cpu = torch.device("cpu")
+    if not can_prepack(cpu, dtype):
+        pytest.skip(f"no prepacked {dtype} layers on this CPU")
+    make_random_checkpoint(tmp_path, hidden_size=256, intermediate_size=512)
+    pooling = {"word_embedding_dimension": 256, "pooling_mode_mean_tokens": True}
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    plain = Embedder.from_folder(tmp_path, cpu, dtype, prepack=False)
+    compiled = Embedder.from_folder(tmp_path, cpu, dtype, compile=True)
+    assert compiled.prepacked > 0 and compiled.compile_passes() == 2
+    monkeypatch.setattr(compiled.compiled, "padded_batches", True)
+    runs = graph_runs(compiled, monkeypatch)
+    texts = plain.tokenize(TEXTS)
+    tolerance = TOLERANCE if dtype == torch.float32 else 0.02  # bfloat16's rounding
+    for batch in ([texts[2]], texts):
+        got = compiled.forward(batch).pooled
+        assert largest_difference(got, plain.forward(batch).pooled) <= tolerance
+        maps = every_map(plain)  # an eager pass, on the packed layers
+        eager = compiled.forward(batch, attention=maps).pooled
+        assert largest_difference(eager, plain.forward(batch).pooled) <= tolerance
+    assert len(runs) == 2
+
+
+def test_a_pair_model_compiles_its_passes_with_segment_ids(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cross-encoder reads pairs, whose passes take segment ids: graphs for them too,
+    which a padded batch runs on too."""
     save_task_model(tmp_path, CLASSIFIERS["bert"], "bert", **labelled(3))
     eager = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32)
     compiled = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32, compile=True)
-    assert compiled.compile_passes() == 4
+    assert compiled.compile_passes() == 4 and compiled.compiled is not None
+    monkeypatch.setattr(compiled.compiled, "padded_batches", True)
+    runs = graph_runs(compiled, monkeypatch)
     pairs = eager.tokenize_pairs([("hello", "hello world"), ("fox", "the lazy dog")])
     for batch in ([pairs[0]], pairs):
         got = compiled.forward(batch).pooled
         assert largest_difference(got, eager.forward(batch).pooled) <= TOLERANCE
+    assert len(runs) == 2
 
 
-def test_masks_narrowed_by_a_sliding_window_compile(tmp_path: Path) -> None:
-    """ModernBERT's local layers restrict the padding mask further (`Mask.narrowed`)."""
+def test_masks_narrowed_by_a_sliding_window_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ModernBERT's local layers restrict the padding mask further (`Mask.narrowed`), and in
+    a padded batch some of a short input's windows see padding only."""
     architectures.save_reference(tmp_path, "modernbert")
     eager = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32)
     compiled = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32, compile=True)
-    assert compiled.compile_passes() == 2
+    assert compiled.compile_passes() == 2 and compiled.compiled is not None
+    monkeypatch.setattr(compiled.compiled, "padded_batches", True)
+    runs = graph_runs(compiled, monkeypatch)
     batch, _, _ = architectures.padded_batch(0)
     for each in ([batch[1]], batch):
-        got = compiled.forward(each).pooled
-        assert largest_difference(got, eager.forward(each).pooled) <= TOLERANCE
+        got = compiled.forward(each, token_embeddings=True)
+        want = eager.forward(each, token_embeddings=True)
+        assert torch.isfinite(got.pooled).all()
+        assert largest_difference(got.pooled, want.pooled) <= TOLERANCE
+    assert len(runs) == 2
 
 
 def test_a_pass_that_cannot_be_compiled_refuses_to_start(
