@@ -65,10 +65,11 @@ def over_budget(settings: Settings, folders: dict[str, Path]) -> str | None:
     """Why the models cannot fit `memory_budget_mb`, if they cannot: their weights at the
     dtype they run in, once per GPU they are on and, on the CPU, once per engine where each
     lays its linear layers out for its kernel (`prepack`), else once for all (which share one
-    copy), and once more for each graph inductor compiles (`compile`: one input and batches,
-    on each thread count a pass may run on; twice that for a model that reads pairs, which is
-    not known before it loads). An estimate: the engines' working memory and inductor's own
-    are not counted."""
+    copy); compiled (`compile`), once more for the checkpoint's layout a prepacked layer keeps
+    (shared) and once for each graph inductor compiles (one input and batches, on each thread
+    count a pass may run on; twice that for a model that reads pairs, which is not known
+    before it loads). An estimate: the engines' working memory and inductor's own are not
+    counted."""
     if settings.memory_budget_mb is None:
         return None
     gpus = sum(1 for device in settings.devices if device.startswith("cuda"))
@@ -77,13 +78,11 @@ def over_budget(settings: Settings, folders: dict[str, Path]) -> str | None:
     for served in settings.models():
         own = settings.for_model(served)
         shared = min(cpu_engines, 1)
-        if own.compile:  # the plain weights shared, and inductor's layout in each graph
+        cpu_copies = cpu_engines if own.prepack else shared
+        if own.compile:
             thread_counts = 2 if cpu_engines > 1 else 1  # a lone pass takes every core
-            cpu_copies = shared + cpu_engines * 2 * thread_counts
-        elif own.prepack:
-            cpu_copies = cpu_engines
-        else:
-            cpu_copies = shared
+            kept = shared if own.prepack else 0
+            cpu_copies += kept + cpu_engines * 2 * thread_counts
         size = weight_bytes(folders[served.name], own.dtype)
         mib[served.name] = (gpus + cpu_copies) * size / 2**20
     if sum(mib.values()) <= settings.memory_budget_mb:

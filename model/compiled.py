@@ -183,7 +183,10 @@ class CompiledNetwork:
             ids[row, :length] = self.network.config.pad_token_id + 1
             mask[row, :length] = 1
         best = {"compiled": float("inf"), "eager": float("inf")}
-        ways: dict[str, Callable[..., object]] = {"compiled": self, "eager": self.network}
+        ways: dict[str, Callable[..., object]] = {
+            "compiled": self._compiled,
+            "eager": self.network,
+        }
         with torch.inference_mode():
             for _ in range(SAMPLE_TIMINGS):
                 for name, way in ways.items():
@@ -192,22 +195,29 @@ class CompiledNetwork:
                     best[name] = min(best[name], time.perf_counter() - started)
         return best["compiled"], best["eager"]
 
-    def fits(self, input_ids: Tensor, token_type_ids: Tensor | None) -> bool:
+    def fits(self, input_ids: Tensor, token_type_ids: Tensor | None, *, padded: bool) -> bool:
         """Whether a compiled graph takes this pass: two tokens or more (a graph assumes
-        so) and at most MAX_TOKENS in all, segment ids only where there are graphs for them,
-        on a thread count compiled for."""
+        so) and at most MAX_TOKENS in all, padding only where `padded_batches`, segment ids
+        only where there are graphs for them, on a thread count compiled for."""
         return (
             input_ids.shape[1] >= 2
             and input_ids.numel() <= MAX_TOKENS
+            and (self.padded_batches or not padded)
             and (token_type_ids is None or self.takes_types)
             and torch.get_num_threads() in self.thread_counts
         )
 
     def __call__(
-        self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        token_type_ids: Tensor | None,
+        *,
+        padded: bool,
     ) -> EncoderOutput:
-        """The pass on the compiled graph that fits, else eagerly."""
-        if not self.fits(input_ids, token_type_ids):
+        """The pass on the compiled graph that fits, else eagerly. `padded`: whether the
+        mask hides any token (known to the caller without reading it)."""
+        if not self.fits(input_ids, token_type_ids, padded=padded):
             eager: EncoderOutput = self.network(input_ids, attention_mask, token_type_ids)
             return eager
         with torch.compiler.set_stance(self.stance):

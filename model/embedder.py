@@ -255,8 +255,9 @@ class Embedder:
         maps = MapRequest(frozenset(attention.layers), attention.heads) if attention else None
         with torch.inference_mode():
             types = type_ids.to(self.device) if type_ids is not None else None
-            if compiled := self._compiled_pass(maps, lengths, width):
-                out = compiled(input_ids, attention_mask, types)
+            if self.compiled is not None and maps is None:  # a graph keeps no maps
+                padded = bool(lengths.min(initial=width) < width)
+                out = self.compiled(input_ids, attention_mask, types, padded=padded)
             else:
                 out = self.network(input_ids, attention_mask, types, maps)
             if isinstance(self.head, EmbeddingPipeline):
@@ -272,17 +273,6 @@ class Embedder:
             if attention is not None:
                 attentions = _per_input_maps(out.maps, lengths, attention.mean)
         return BatchOutput(pooled, tokens, attentions)
-
-    def _compiled_pass(
-        self, maps: MapRequest | None, lengths: np.ndarray, width: int
-    ) -> CompiledNetwork | None:
-        """What runs a pass compiled (model/compiled.py), or None where it runs eagerly: one
-        that keeps attention maps, or a batch with padding where that measured slower."""
-        if self.compiled is None or maps is not None:
-            return None
-        if self.compiled.padded_batches or lengths.min(initial=width) == width:
-            return self.compiled
-        return None
 
     def graph_shape(
         self,

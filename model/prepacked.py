@@ -95,8 +95,8 @@ class PrepackedLinear(FrozenLinear):
         self.weight = linear.weight if traceable else None
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.compiler.is_compiling():
-            assert self.weight is not None, "a compiled pass needs prepack_linears(traceable)"
+        # The weight asked first: an untraceable layer's eager pass pays no other question.
+        if self.weight is not None and torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         return self._product(x)
 

@@ -152,3 +152,17 @@ def check_cuda_float16(folder: Path, texts: list[str]) -> None:
     half.capture_graphs()
     cosines = torch.nn.functional.cosine_similarity(exact, half.embed(texts).cpu().float())
     assert cosines.min() >= 0.999, f"min cosine {cosines.min().item():.6f}"
+
+
+def graph_runs(embedder: Embedder, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, one entry per pass that runs on a compiled graph."""
+    assert embedder.compiled is not None
+    runs: list[int] = []
+    on_graphs = embedder.compiled._compiled
+
+    def counted(*inputs: torch.Tensor | None) -> object:
+        runs.append(1)
+        return on_graphs(*inputs)
+
+    monkeypatch.setattr(embedder.compiled, "_compiled", counted)
+    return runs

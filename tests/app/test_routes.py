@@ -16,7 +16,7 @@ from model import AttentionSpec, Embedder, finish
 from model.compiled import CompiledNetwork
 from model.tokenizer import NO_DETAILS
 from tests.app.conftest import Placement, local_engine, make_settings, running_app, service_of
-from tests.helpers import TINY_VOCAB
+from tests.helpers import TINY_VOCAB, graph_runs
 
 pytestmark = pytest.mark.anyio
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog"]
@@ -87,9 +87,12 @@ async def test_a_compiled_server_answers_as_the_model_does(
     async with running_app(settings, ready_within=120) as (app, client):
         embedder = local_engine(app).model.embedder
         assert embedder is not None and embedder.compiled is not None
+        runs = graph_runs(embedder, monkeypatch)
+        monkeypatch.setattr(embedder.compiled, "padded_batches", True)
         single = await client.post("/embed", json={"inputs": TEXTS[0]})
         batch = await client.post("/embed", json={"inputs": TEXTS})
     assert single.status_code == batch.status_code == 200
+    assert len(runs) == 2  # each request's pass on a graph
     assert np.abs(np.array(single.json()) - reference(tiny_embedder, TEXTS[:1])).max() <= 1e-5
     assert np.abs(np.array(batch.json()) - reference(tiny_embedder, TEXTS)).max() <= 1e-5
 

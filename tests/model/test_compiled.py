@@ -19,7 +19,12 @@ from model import ConfigError, Embedder, Encoded, packing
 from model.compiled import MAX_TOKENS, CompiledNetwork, compile_unavailable
 from model.errors import CompileError
 from model.prepacked import can_prepack
-from tests.helpers import every_map, make_random_checkpoint, write_sentence_transformers_files
+from tests.helpers import (
+    every_map,
+    graph_runs,
+    make_random_checkpoint,
+    write_sentence_transformers_files,
+)
 from tests.task_checkpoints import CLASSIFIERS, labelled, save_task_model
 
 TOLERANCE = 1e-5
@@ -31,20 +36,6 @@ def no_silent_eager_passes() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(CompiledNetwork, "stance", "fail_on_recompile")
         yield
-
-
-def graph_runs(embedder: Embedder, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """From now on, one entry per pass that runs on a compiled graph."""
-    assert embedder.compiled is not None
-    runs: list[int] = []
-    on_graphs = embedder.compiled._compiled
-
-    def counted(*inputs: torch.Tensor | None) -> object:
-        runs.append(1)
-        return on_graphs(*inputs)
-
-    monkeypatch.setattr(embedder.compiled, "_compiled", counted)
-    return runs
 
 
 @pytest.fixture
@@ -146,7 +137,7 @@ def test_a_pass_runs_on_the_graph_of_its_thread_count(
     try:
         for count, fits in ((1, True), (2, True), (3, False)):
             torch.set_num_threads(count)
-            assert compiled.compiled.fits(ids, None) is fits
+            assert compiled.compiled.fits(ids, None, padded=False) is fits
             runs.clear()
             got = compiled.forward(batch).pooled
             assert len(runs) == fits
@@ -164,8 +155,9 @@ def test_a_one_token_input_and_unexpected_segment_ids_run_eagerly(
     assert compiled.compiled is not None
     runs = graph_runs(compiled, monkeypatch)
     one_token = torch.tensor([[7]])
-    assert not compiled.compiled.fits(one_token, None)
-    assert not compiled.compiled.fits(torch.tensor([[7, 8]]), torch.zeros(1, 2, dtype=torch.long))
+    assert not compiled.compiled.fits(one_token, None, padded=False)
+    segments = torch.zeros(1, 2, dtype=torch.long)
+    assert not compiled.compiled.fits(torch.tensor([[7, 8]]), segments, padded=False)
     got = compiled.forward([[7]]).pooled
     assert largest_difference(got, eager.forward([[7]]).pooled) <= TOLERANCE
     assert not runs
