@@ -6,21 +6,24 @@ torch.compile's inductor and the weights frozen into the graph, inductor lays th
 weights out for oneDNN itself (tracing `F.linear` on the checkpoint's weight, which a
 prepacked layer keeps for it: model/prepacked.py), fuses what runs between the products
 (bias, activation, residual and LayerNorm, the heads' split and merge) into C++ loops, and
-calls all of it from generated C++ (`cpp_wrapper`): one Python call a pass. The price is
-start-up time (each graph compiles for seconds to tens of seconds), memory (each graph holds
-its own layout of the weights) and a C++ compiler on the machine (docs/benchmarks.md).
+calls all of it from generated C++ (`cpp_wrapper`): one Python call a pass. int8's products,
+whose packed weights no graph traces, stay fbgemm's, called from the graph by one custom op
+(model/opaque_calls.py). The price is start-up time (each graph compiles for seconds to tens
+of seconds), memory (each graph holds its own layout of the weights) and a C++ compiler on
+the machine (docs/benchmarks.md).
 
 The graphs take any batch size and token count up to MAX_TOKENS (dynamic shapes) and are all
 compiled at start-up (`compile_all`): one for a single input, one for batches, and both
 again with segment ids for a model that reads pairs, for each thread count a pass may run
 on. A compiled pass runs on the padded grid, its attention in
 `scaled_dot_product_attention` (model/packing.py's token packing and model/attention.py's
-other way read the mask's values, which a graph cannot). So a batch with padding runs
-compiled only where that measured faster at start-up than the eager pass on its real tokens
-(`padded_batches`: in bfloat16 on AMX, not in float32, whose products dominate a batch and
-grow with its padding). A pass that keeps attention maps, or that no graph takes, runs
-eagerly: nothing is compiled on a request's time. float32 and bfloat16 only: int8's kernels
-take an opaque packed weight that no graph traces.
+other way read the mask's values, which a graph cannot). So batches run compiled only where
+that measured faster at start-up than the eager pass, timed twice: on a batch without
+padding (`batches`: not in int8, whose eager steps between the products beat the graph's on
+many rows) and on a padded one, against the eager pass on its real tokens (`padded_batches`:
+in bfloat16 on AMX, not in float32, whose products dominate a batch and grow with its
+padding). A pass that keeps attention maps, or that no graph takes, runs eagerly: nothing is
+compiled on a request's time.
 """
 
 from __future__ import annotations
@@ -50,10 +53,13 @@ COMPILED_DTYPES = (torch.float32, torch.bfloat16)
 # The token count of the inputs the graphs compile on: neither 0 nor 1, sizes that
 # torch.compile would specialise a graph to.
 SAMPLE_TOKENS = 8
-# The padded batch timed both ways at start-up: a batch of short inputs of many lengths, as
-# a server's length-grouped batches are at their worst (a third of it padding), each way
-# timed this many times, alternating, the fastest kept.
-SAMPLE_BATCH_LENGTHS = tuple(range(SAMPLE_TOKENS, 4 * SAMPLE_TOKENS, 2))
+# The batches timed both ways at start-up: short inputs of many lengths, as a server's
+# length-grouped batches are at their worst (a third of it padding); and, without padding, as
+# many short sentences as a busy server's batches hold (int8's graph won on a few rows and
+# lost on many: docs/benchmarks.md). Each way timed this many times, alternating, the
+# fastest kept.
+SAMPLE_PADDED_LENGTHS = tuple(range(SAMPLE_TOKENS, 4 * SAMPLE_TOKENS, 2))
+SAMPLE_LENGTHS = (2 * SAMPLE_TOKENS,) * 32
 SAMPLE_TIMINGS = 3
 # The most padded tokens a compiled pass runs. A larger eager pass runs its feed-forward a
 # chunk at a time (model/packing.py), its 4x-wide intermediate kept in cache, which a graph
@@ -68,15 +74,16 @@ MAX_TOKENS = FEED_FORWARD_CHUNK
 RECOMPILE_LIMIT = 64
 
 
-def compile_unavailable(device: torch.device, dtype: torch.dtype, int8: bool) -> str | None:
-    """Why the encoder's passes cannot be compiled here, or None where they can."""
+def compile_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the encoder's passes cannot be compiled here, or None where they can (`dtype`:
+    the weights', float32 for int8's model)."""
     if device.type != "cpu":
         return (
             f"compile is for the CPU, not {device.type}: on a GPU the passes replay as CUDA "
             "graphs (cuda_graphs)"
         )
-    if int8 or dtype not in COMPILED_DTYPES:
-        return f"compile runs float32 and bfloat16, not {'int8' if int8 else dtype}"
+    if dtype not in COMPILED_DTYPES:
+        return f"compile runs float32, bfloat16 and int8, not {dtype}"
     if shutil.which("g++") is None and shutil.which("c++") is None:
         return "compile needs a C++ compiler (g++) on the machine, and none was found"
     return None
@@ -90,23 +97,29 @@ class CompiledNetwork:
     # make it fail, to show that every pass `fits` promises runs compiled).
     stance = "eager_on_recompile"
 
-    def __init__(self, network: Encoder, *, takes_types: bool) -> None:
-        """`takes_types`: the model reads pairs, whose passes take segment ids."""
+    def __init__(self, network: Encoder, *, takes_types: bool, quantized: bool = False) -> None:
+        """`takes_types`: the model reads pairs, whose passes take segment ids; `quantized`:
+        its products quantize their activations per call over all their rows (int8), where a
+        graph's padding would enter the ranges and change the vectors, so a padded batch
+        always runs eagerly, on its real tokens."""
         self.network = network
         self.takes_types = takes_types
+        self.quantized = quantized
         self.graphs = 0
         # The torch thread counts the graphs were compiled for: a graph holds only for the
         # count it was compiled under (torch.compile guards on it), and an engine beside
         # others changes its count per pass (app/cores.py).
         self.thread_counts: frozenset[int] = frozenset()
-        # Whether a batch with padding runs compiled (see above); decided by `compile_all`.
+        # Whether a batch without padding, and one with, runs compiled (see above); decided by
+        # `compile_all`.
+        self.batches = False
         self.padded_batches = False
         self._compiled = torch.compile(network, dynamic=True, fullgraph=True)
 
     def compile_all(self, thread_counts: Collection[int]) -> int:
         """Compile every graph for each of `thread_counts` now, not on requests' time, and
-        time a padded batch both ways (on this thread's count where it is one of them); how
-        many graphs. Once: the counts of a later call are not compiled."""
+        time batches both ways (on this thread's count where it is one of them); how many
+        graphs. Once: the counts of a later call are not compiled."""
         if self.graphs:
             return self.graphs
         own = torch.get_num_threads()
@@ -128,16 +141,10 @@ class CompiledNetwork:
                         )
             self.thread_counts = frozenset(counts)
             torch.set_num_threads(own if own in self.thread_counts else counts[0])
-            compiled, eager = self._padded_batch_seconds()
+            self.batches = self._runs_faster_compiled(padded=False)
+            self.padded_batches = not self.quantized and self._runs_faster_compiled(padded=True)
         finally:
             torch.set_num_threads(own)
-        self.padded_batches = compiled <= eager
-        log.info(
-            "a padded batch took %.1f ms compiled, %.1f ms eagerly: padded batches run %s",
-            compiled * 1000,
-            eager * 1000,
-            "compiled" if self.padded_batches else "eagerly",
-        )
         return self.graphs
 
     def _compile(self, batch: int, types: bool) -> None:
@@ -174,12 +181,13 @@ class CompiledNetwork:
                 "for the models of one architecture in a process; compile fewer of them"
             )
 
-    def _padded_batch_seconds(self) -> tuple[float, float]:
-        """The fastest of SAMPLE_TIMINGS passes of a padded batch, compiled and eager."""
-        width = max(SAMPLE_BATCH_LENGTHS)
-        ids = torch.full((len(SAMPLE_BATCH_LENGTHS), width), self.network.config.pad_token_id)
+    def _runs_faster_compiled(self, *, padded: bool) -> bool:
+        """Whether the sample batch, with padding or without, ran faster compiled than eagerly
+        (the fastest of SAMPLE_TIMINGS passes each way)."""
+        lengths = SAMPLE_PADDED_LENGTHS if padded else SAMPLE_LENGTHS
+        ids = torch.full((len(lengths), max(lengths)), self.network.config.pad_token_id)
         mask = torch.zeros_like(ids)
-        for row, length in enumerate(SAMPLE_BATCH_LENGTHS):
+        for row, length in enumerate(lengths):
             ids[row, :length] = self.network.config.pad_token_id + 1
             mask[row, :length] = 1
         best = {"compiled": float("inf"), "eager": float("inf")}
@@ -193,16 +201,26 @@ class CompiledNetwork:
                     started = time.perf_counter()
                     way(ids, mask, None)
                     best[name] = min(best[name], time.perf_counter() - started)
-        return best["compiled"], best["eager"]
+        faster = best["compiled"] <= best["eager"]
+        log.info(
+            "a batch %s padding took %.1f ms compiled, %.1f ms eagerly: such batches run %s",
+            "with" if padded else "without",
+            best["compiled"] * 1000,
+            best["eager"] * 1000,
+            "compiled" if faster else "eagerly",
+        )
+        return faster
 
     def fits(self, input_ids: Tensor, token_type_ids: Tensor | None, *, padded: bool) -> bool:
         """Whether a compiled graph takes this pass: two tokens or more (a graph assumes
-        so) and at most MAX_TOKENS in all, padding only where `padded_batches`, segment ids
-        only where there are graphs for them, on a thread count compiled for."""
+        so) and at most MAX_TOKENS in all, one input or a batch as `batches` and
+        `padded_batches` say, segment ids only where there are graphs for them, on a thread
+        count compiled for."""
+        unpadded_runs = self.batches or input_ids.shape[0] == 1
         return (
             input_ids.shape[1] >= 2
             and input_ids.numel() <= MAX_TOKENS
-            and (self.padded_batches or not padded)
+            and (self.padded_batches if padded else unpadded_runs)
             and (token_type_ids is None or self.takes_types)
             and torch.get_num_threads() in self.thread_counts
         )

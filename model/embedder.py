@@ -120,7 +120,7 @@ class Embedder:
         # Or in int8 where the operator asked for it (model/int8.py); how many.
         self.quantized = 0
         int8 = info.dtype == INT8
-        if compile and (refusal := compile_unavailable(self.device, first.dtype, int8)):
+        if compile and (refusal := compile_unavailable(self.device, first.dtype)):
             raise ConfigError(refusal)
         if int8:
             self.quantized = quantize_linears(network, weight_levels(cpu_flags()))
@@ -132,7 +132,7 @@ class Embedder:
         self.compiled: CompiledNetwork | None = None
         if compile:
             pairs = MODEL_TASKS[info.task].reads_pairs and network.config.type_vocab_size > 1
-            self.compiled = CompiledNetwork(network, takes_types=pairs)
+            self.compiled = CompiledNetwork(network, takes_types=pairs, quantized=int8)
         # Last, once the layers are swapped: what each pass reads, found at once.
         bind_attributes(network, head)
 

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from model import opaque_calls
 from model.frozen import FrozenLinear, as_rows, shaped_like
 
 INT8 = "int8"
@@ -68,14 +69,21 @@ class Int8Linear(FrozenLinear):
         # inference pass has: that walk was 8% of the instructions of a small model's int8
         # pass (docs/benchmarks.md).
         self.product = torch.ops.quantized.linear_dynamic.default._op
+        # A compiled pass calls the product by this key (model/opaque_calls.py).
+        self.key = opaque_calls.register(self)
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            return shaped_like(opaque_calls.call(as_rows(x), self.key), x)
+        return shaped_like(self.rows_product(as_rows(x)), x)
+
+    def rows_product(self, rows: Tensor) -> Tensor:
         # With subclass dispatch on, torch asks every argument for `__torch_function__`; the
         # packed weight (a ScriptObject) answers by throwing a C++ exception, caught again,
         # which cost 40% of a small call. Plain tensors go in, so nothing is lost.
         with torch._C.DisableTorchFunctionSubclass():
-            out: Tensor = self.product(as_rows(x), self.packed, False)
-        return shaped_like(out, x)
+            out: Tensor = self.product(rows, self.packed, False)
+        return out
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, int8 (weights within +-{self.levels})"

@@ -15,9 +15,11 @@ import pytest
 import torch
 
 import tests.model.test_architectures as architectures
-from model import ConfigError, Embedder, Encoded, packing
+from model import ConfigError, Embedder, Encoded, opaque_calls, packing
 from model.compiled import MAX_TOKENS, CompiledNetwork, compile_unavailable
+from model.device import resolve_dtype
 from model.errors import CompileError
+from model.int8 import INT8, int8_unavailable
 from model.prepacked import can_prepack
 from tests.helpers import (
     every_map,
@@ -78,22 +80,38 @@ def batches(embedder: Embedder) -> list[list[Encoded]]:
     return [*alone, [encoded[2], encoded[2]], encoded, encoded[:2]]
 
 
+def compile_batches(embedder: Embedder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches with padding and without run on the graphs, whatever the start-up timing
+    chose on this machine."""
+    assert embedder.compiled is not None
+    monkeypatch.setattr(embedder.compiled, "batches", True)
+    monkeypatch.setattr(embedder.compiled, "padded_batches", True)
+
+
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("padded_batches", [True, False], ids=["padded-compiled", "padded-eager"])
+@pytest.mark.parametrize(
+    ("unpadded", "padded_batches"),
+    [(True, True), (True, False), (False, False)],
+    ids=["batches-compiled", "padded-eager", "batches-eager"],
+)
 def test_compiled_passes_give_the_eager_vectors_and_compile_nothing_more(
     compiled: Embedder,
     eager: Embedder,
+    unpadded: bool,
     padded_batches: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Each batch, of any size and token count, on the graphs compiled at start-up, with
-    what a padded batch runs on chosen either way."""
+    what a batch with padding and one without run on chosen either way; one input always
+    runs compiled."""
     assert compiled.compiled is not None
+    monkeypatch.setattr(compiled.compiled, "batches", unpadded)
     monkeypatch.setattr(compiled.compiled, "padded_batches", padded_batches)
     runs = graph_runs(compiled, monkeypatch)
     every = batches(eager)
     padded = [batch for batch in every if len({len(item.ids) for item in batch}) > 1]
     assert len(padded) == 2
+    eager_batches = (0 if padded_batches else len(padded)) + (0 if unpadded else 1)
     for batch in every:
         got = compiled.forward(batch, token_embeddings=True)
         want = eager.forward(batch, token_embeddings=True)
@@ -101,7 +119,7 @@ def test_compiled_passes_give_the_eager_vectors_and_compile_nothing_more(
         assert got.token_embeddings is not None and want.token_embeddings is not None
         for mine, theirs in zip(got.token_embeddings, want.token_embeddings, strict=True):
             assert largest_difference(mine, theirs) <= TOLERANCE
-    assert len(runs) == len(every) - (0 if padded_batches else len(padded))
+    assert len(runs) == len(every) - eager_batches
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -110,6 +128,7 @@ def test_passes_of_up_to_max_tokens_run_on_the_graphs_and_larger_ones_eagerly(
 ) -> None:
     """A batch of MAX_TOKENS padded tokens and one long input run compiled (no size in
     between ties a graph); a batch of more runs eagerly, its feed-forward in chunks."""
+    compile_batches(compiled, monkeypatch)
     runs = graph_runs(compiled, monkeypatch)
     rows = MAX_TOKENS // 32
     for batch, on_graphs in (
@@ -192,7 +211,7 @@ def test_prepacked_layers_compile_on_the_checkpoints_weights(
     plain = Embedder.from_folder(tmp_path, cpu, dtype, prepack=False)
     compiled = Embedder.from_folder(tmp_path, cpu, dtype, compile=True)
     assert compiled.prepacked > 0 and compiled.compile_passes() == 2
-    monkeypatch.setattr(compiled.compiled, "padded_batches", True)
+    compile_batches(compiled, monkeypatch)
     runs = graph_runs(compiled, monkeypatch)
     texts = plain.tokenize(TEXTS)
     tolerance = TOLERANCE if dtype == torch.float32 else 0.02  # bfloat16's rounding
@@ -205,6 +224,43 @@ def test_prepacked_layers_compile_on_the_checkpoints_weights(
     assert len(runs) == 2
 
 
+@pytest.mark.skipif(int8_unavailable(torch.device("cpu")) is not None, reason="no fbgemm here")
+def test_int8_passes_compile_around_the_packed_products(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int8's products stay fbgemm's, called from the graph through one custom op
+    (model/opaque_calls.py): one input and a batch give the eager int8 vectors, each on a
+    graph, and every product ran through the op. A padded batch runs eagerly: padding would
+    enter the activations' quantization ranges."""
+    make_random_checkpoint(tmp_path, hidden_size=64, intermediate_size=128)
+    pooling = {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    cpu = torch.device("cpu")
+    int8 = resolve_dtype(INT8, cpu)
+    eager = Embedder.from_folder(tmp_path, cpu, int8)
+    compiled = Embedder.from_folder(tmp_path, cpu, int8, compile=True)
+    assert compiled.quantized == eager.quantized > 0
+    assert compiled.compile_passes() == 2 and compiled.compiled is not None
+    assert not compiled.compiled.padded_batches
+    monkeypatch.setattr(compiled.compiled, "batches", True)
+    runs = graph_runs(compiled, monkeypatch)
+    products: list[int] = []
+
+    class Counted(dict[int, opaque_calls.OpaqueLinear]):
+        def __getitem__(self, key: int) -> opaque_calls.OpaqueLinear:
+            products.append(key)
+            return super().__getitem__(key)
+
+    monkeypatch.setattr(opaque_calls, "_layers", Counted(opaque_calls._layers))
+    texts = eager.tokenize(TEXTS)
+    for batch in ([texts[2]], [texts[2], texts[2]], texts):
+        got = compiled.forward(batch).pooled
+        assert largest_difference(got, eager.forward(batch).pooled) <= TOLERANCE
+    assert len(runs) == 2
+    # The op runs only in a graph: an eager pass calls each layer itself.
+    assert len(products) == 2 * compiled.quantized
+
+
 def test_a_pair_model_compiles_its_passes_with_segment_ids(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -213,8 +269,8 @@ def test_a_pair_model_compiles_its_passes_with_segment_ids(
     save_task_model(tmp_path, CLASSIFIERS["bert"], "bert", **labelled(3))
     eager = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32)
     compiled = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32, compile=True)
-    assert compiled.compile_passes() == 4 and compiled.compiled is not None
-    monkeypatch.setattr(compiled.compiled, "padded_batches", True)
+    assert compiled.compile_passes() == 4
+    compile_batches(compiled, monkeypatch)
     runs = graph_runs(compiled, monkeypatch)
     pairs = eager.tokenize_pairs([("hello", "hello world"), ("fox", "the lazy dog")])
     for batch in ([pairs[0]], pairs):
@@ -231,8 +287,8 @@ def test_masks_narrowed_by_a_sliding_window_compile(
     architectures.save_reference(tmp_path, "modernbert")
     eager = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32)
     compiled = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32, compile=True)
-    assert compiled.compile_passes() == 2 and compiled.compiled is not None
-    monkeypatch.setattr(compiled.compiled, "padded_batches", True)
+    assert compiled.compile_passes() == 2
+    compile_batches(compiled, monkeypatch)
     runs = graph_runs(compiled, monkeypatch)
     batch, _, _ = architectures.padded_batch(0)
     for each in ([batch[1]], batch):
@@ -263,16 +319,15 @@ def test_a_pass_that_cannot_be_compiled_refuses_to_start(
 
 def test_compile_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
     cpu = torch.device("cpu")
-    assert "on a GPU" in str(compile_unavailable(torch.device("cuda"), torch.float16, False))
-    assert "not int8" in str(compile_unavailable(cpu, torch.float32, True))
-    assert "not torch.float16" in str(compile_unavailable(cpu, torch.float16, False))
+    assert "on a GPU" in str(compile_unavailable(torch.device("cuda"), torch.float16))
+    assert "not torch.float16" in str(compile_unavailable(cpu, torch.float16))
     make_random_checkpoint(tmp_path)
     write_sentence_transformers_files(tmp_path)
-    with pytest.raises(ConfigError, match="compile runs float32 and bfloat16, not int8"):
-        Embedder.load(str(tmp_path), device="cpu", dtype="int8", compile=True)
+    with pytest.raises(ConfigError, match="compile runs float32, bfloat16 and int8, not"):
+        Embedder.load(str(tmp_path), device="cpu", dtype="float16", compile=True)
 
 
 def test_without_a_compiler_compile_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("model.compiled.shutil.which", lambda name: None)
-    refusal = compile_unavailable(torch.device("cpu"), torch.float32, False)
+    refusal = compile_unavailable(torch.device("cpu"), torch.float32)
     assert refusal is not None and "C++ compiler" in refusal

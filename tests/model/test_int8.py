@@ -3,13 +3,14 @@ cannot run, and frozen."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from model import Embedder
+from model import Embedder, opaque_calls
 from model.device import cpu_flags, resolve_dtype
 from model.errors import ConfigError
 from model.int8 import (
@@ -43,6 +44,22 @@ def test_minilm_in_int8_stays_close_to_float32(minilm: Embedder) -> None:
     cosines = torch.nn.functional.cosine_similarity(exact, approx)
     assert cosines.mean() >= MIN_MEAN_COSINE, cosines.mean()
     assert cosines.min() >= MIN_COSINE, cosines.min()
+
+
+@needs_int8
+def test_a_layer_is_called_by_its_key_while_it_lives() -> None:
+    """A compiled pass calls an int8 layer's product through one op, by the key the layer
+    registered (model/opaque_calls.py); the registry does not keep the layer alive."""
+    layer = Int8Linear(nn.Linear(16, 8), NARROW_LEVELS)
+    key = layer.key
+    rows = torch.randn(3, 16)
+    with torch.inference_mode():
+        assert torch.equal(opaque_calls.call(rows, key), layer(rows))
+    assert Int8Linear(nn.Linear(16, 8), NARROW_LEVELS).key != key
+    del layer
+    gc.collect()
+    with pytest.raises(KeyError):
+        opaque_calls.call(rows, key)
 
 
 @needs_int8
