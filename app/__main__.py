@@ -68,7 +68,8 @@ def over_budget(settings: Settings, folders: dict[str, Path]) -> str | None:
     copy); compiled (`compile`), once more for the checkpoint's layout a prepacked layer keeps
     (shared) and once for each graph inductor compiles (one input and batches, on each thread
     count a pass may run on; twice that for a model that reads pairs, which is not known
-    before it loads). An estimate: the engines' working memory and inductor's own are not
+    before it loads), but not in int8, whose graphs call its packed layers and keep no
+    weights of their own. An estimate: the engines' working memory and inductor's own are not
     counted."""
     if settings.memory_budget_mb is None:
         return None
@@ -79,7 +80,7 @@ def over_budget(settings: Settings, folders: dict[str, Path]) -> str | None:
         own = settings.for_model(served)
         shared = min(cpu_engines, 1)
         cpu_copies = cpu_engines if own.prepack else shared
-        if own.compile:
+        if own.compile and own.dtype != "int8":
             thread_counts = 2 if cpu_engines > 1 else 1  # a lone pass takes every core
             kept = shared if own.prepack else 0
             cpu_copies += kept + cpu_engines * 2 * thread_counts

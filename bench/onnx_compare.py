@@ -266,7 +266,7 @@ def report(
         mean, low = cosines(vectors[name], vectors[f"{name.split()[0]} float32"])
         print(f"{name} cosine to its float32: mean {mean:.4f}, minimum {low:.4f}")
         figures["engines"][name]["cosine_to_float32"] = {"mean": mean, "min": low}
-    for name in (name for name in int8s if name.startswith("ours")):
+    for name in [name for name in int8s if name.startswith("ours")]:
         print(
             f"{name} / onnxruntime int8: throughput "
             f"{rates[name] / rates['onnxruntime int8']:.2f}x, one sentence p50 "

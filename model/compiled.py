@@ -19,8 +19,8 @@ on. A compiled pass runs on the padded grid, its attention in
 `scaled_dot_product_attention` (model/packing.py's token packing and model/attention.py's
 other way read the mask's values, which a graph cannot). So batches run compiled only where
 that measured faster at start-up than the eager pass, timed twice: on a batch without
-padding (`batches`: not in int8, whose eager steps between the products beat the graph's on
-many rows) and on a padded one, against the eager pass on its real tokens (`padded_batches`:
+padding (`batches`: int8's graph, for one, lost to its eager steps on many rows) and on a
+padded one, against the eager pass on its real tokens (`padded_batches`:
 in bfloat16 on AMX, not in float32, whose products dominate a batch and grow with its
 padding). A pass that keeps attention maps, or that no graph takes, runs eagerly: nothing is
 compiled on a request's time.

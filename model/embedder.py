@@ -182,8 +182,8 @@ class Embedder:
         classify or sparse; `max_input_tokens` can only lower the model's own limit;
         `cuda_graphs` off runs every forward pass on a GPU eagerly; `prepack` off runs a
         CPU's linear layers on torch's own `F.linear`; `compile` runs a CPU's passes on
-        graphs that inductor compiles (model/compiled.py; `compile_passes`), float32 and
-        bfloat16 only."""
+        graphs that inductor compiles (model/compiled.py; `compile_passes`), not in
+        float16."""
         choice = dtype if isinstance(dtype, DtypeChoice) else DtypeChoice(dtype, "asked for")
         loaded = load_model(
             folder,

@@ -29,8 +29,8 @@ class OpaqueLinear(Protocol):
         ...
 
 
-# Keys to layers, held weakly: a network and its graphs go together, and neither keeps the
-# other's layers alive here.
+# Keys to layers, held weakly: a layer lives as long as its network (whose graphs call it by
+# key), not as long as this table.
 _layers: weakref.WeakValueDictionary[int, OpaqueLinear] = weakref.WeakValueDictionary()
 _keys = itertools.count()
 

@@ -236,6 +236,11 @@ def test_models_over_the_memory_budget_are_refused_by_name(folders: dict[str, Pa
     )
     refusal = over_budget(compiled, served)
     assert refusal is not None and "minilm: 953 MiB" in refusal
+    # int8's graphs call its packed layers: each engine's own int8 copy only, 2 x 32 MiB.
+    int8 = compiled.model_copy(update={"memory_budget_mb": 70, "dtype": "int8"})
+    assert over_budget(int8, served) is None
+    refusal = over_budget(int8.model_copy(update={"memory_budget_mb": 60}), served)
+    assert refusal is not None and "minilm: 65 MiB" in refusal
 
 
 def test_a_server_over_its_memory_budget_refuses_to_start(folders: dict[str, Path]) -> None:
