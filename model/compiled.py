@@ -32,7 +32,8 @@ import logging
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -41,6 +42,9 @@ from model.architectures import Encoder
 from model.architectures.base import EncoderOutput
 from model.errors import CompileError
 from model.packing import FEED_FORWARD_CHUNK
+
+if TYPE_CHECKING:  # torch._dynamo takes seconds to import, which an eager server never spends
+    from torch._dynamo.types import GuardFilterEntry
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +71,11 @@ SAMPLE_TIMINGS = 3
 # small share of it: in a server's one-thread engines, bfloat16's long passages ran compiled
 # at 0.77x their eager texts/s (docs/benchmarks.md).
 MAX_TOKENS = FEED_FORWARD_CHUNK
-# The graphs one forward function may hold (torch.compile's default is 8), shared by every
-# model of one architecture in the process: per model, shapes (2) x segment ids or none (2) x
-# thread counts (up to 2). Past it torch.compile would run the pass eagerly, silently:
-# `_compile` refuses instead.
-RECOMPILE_LIMIT = 64
+# The graphs one model's pass may hold (each model's compile keeps its own graphs and counts
+# them alone: `isolate_recompiles`): shapes (2) x segment ids or none (2) x thread counts (up
+# to 2), torch.compile's default limit exactly. Past the limit torch.compile would run the
+# pass eagerly, silently: `_compile` refuses instead.
+RECOMPILE_LIMIT = 16
 
 
 def compile_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -87,6 +91,29 @@ def compile_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     if shutil.which("g++") is None and shutil.which("c++") is None:
         return "compile needs a C++ compiler (g++) on the machine, and none was found"
     return None
+
+
+def checked_guards(guards: Sequence[GuardFilterEntry]) -> list[bool]:
+    """Which of a graph's guards each call checks: those on the pass's arguments (their
+    shapes and dtypes, which are None) and on torch's state (grad mode, the thread count), and
+    the identities of objects, the weights' among them, which tell a model's graphs from those
+    of another model of its architecture. Not the rest, on the modules' attributes and hooks
+    and on the module-level code the pass calls, which a served model never changes (its
+    weights are frozen into the graph anyway): they were most of the checking, several tens
+    of microseconds a call (docs/benchmarks.md). A graph with no weight's identity among its
+    guards keeps them all."""
+    identified = any(guard.guard_type == "ID_MATCH" and _on_modules(guard) for guard in guards)
+    if not identified:
+        return [True] * len(guards)
+    return [
+        guard.guard_type == "ID_MATCH" or not (guard.is_global or _on_modules(guard))
+        for guard in guards
+    ]
+
+
+def _on_modules(guard: GuardFilterEntry) -> bool:
+    """Whether a guard is on the compiled network's module tree (its source is `self`)."""
+    return guard.name == "self" or guard.name.startswith(("self.", "self["))
 
 
 class CompiledNetwork:
@@ -114,7 +141,14 @@ class CompiledNetwork:
         # `compile_all`.
         self.batches = False
         self.padded_batches = False
-        self._compiled = torch.compile(network, dynamic=True, fullgraph=True)
+        # torch.compile's typed overloads lack `isolate_recompiles`, which it takes.
+        self._compiled = torch.compile(  # type: ignore[call-overload]
+            network,
+            dynamic=True,
+            fullgraph=True,
+            options={"guard_filter_fn": checked_guards},
+            isolate_recompiles=True,
+        )
 
     def compile_all(self, thread_counts: Collection[int]) -> int:
         """Compile every graph for each of `thread_counts` now, not on requests' time, and
@@ -177,8 +211,8 @@ class CompiledNetwork:
             ) from error
         if counters["stats"]["unique_graphs"] != graphs_before + 1:
             raise CompileError(
-                f"{name}'s pass made no graph: torch.compile holds at most {RECOMPILE_LIMIT} "
-                "for the models of one architecture in a process; compile fewer of them"
+                f"{name}'s pass made no graph of its own (torch.compile holds at most "
+                f"{RECOMPILE_LIMIT} a model)"
             )
 
     def _runs_faster_compiled(self, *, padded: bool) -> bool:

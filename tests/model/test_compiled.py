@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import tests.model.test_architectures as architectures
 from model import ConfigError, Embedder, Encoded, opaque_calls, packing
-from model.compiled import MAX_TOKENS, CompiledNetwork, compile_unavailable
+from model.compiled import MAX_TOKENS, CompiledNetwork, checked_guards, compile_unavailable
 from model.device import resolve_dtype
 from model.errors import CompileError
 from model.int8 import INT8, int8_unavailable
@@ -180,6 +181,53 @@ def test_a_one_token_input_and_unexpected_segment_ids_run_eagerly(
     got = compiled.forward([[7]]).pooled
     assert largest_difference(got, eager.forward([[7]]).pooled) <= TOLERANCE
     assert not runs
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_two_models_of_one_architecture_each_run_their_own_graphs(
+    compiled: Embedder, eager: Embedder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weights are frozen into a graph, and each model's graphs are its own: a second
+    model like the first, with other weights, gives its own vectors on its own graphs, and
+    the first still its own."""
+    make_random_checkpoint(tmp_path, seed=1)
+    other = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32, compile=True)
+    assert other.compile_passes([1]) == 2
+    other_eager = Embedder.from_folder(tmp_path, torch.device("cpu"), torch.float32)
+    batch = eager.tokenize(TEXTS[2:3])
+    assert largest_difference(eager.forward(batch).pooled, other_eager.forward(batch).pooled) > 0.1
+    for model, reference in ((other, other_eager), (compiled, eager), (other, other_eager)):
+        runs = graph_runs(model, monkeypatch)
+        got = model.forward(batch).pooled
+        assert len(runs) == 1
+        assert largest_difference(got, reference.forward(batch).pooled) <= TOLERANCE
+
+
+def guard(name: str, kind: str, *, is_global: bool = False) -> SimpleNamespace:
+    """What torch.compile hands a guard filter about one guard (the fields read)."""
+    return SimpleNamespace(name=name, guard_type=kind, is_global=is_global)
+
+
+def test_guards_on_the_modules_and_their_code_are_not_checked_on_every_call() -> None:
+    """The pass's arguments, torch's state and objects' identities are checked; the modules'
+    other attributes and the module-level code are not; without a weight's identity to tell
+    models apart, every guard is kept."""
+    guards = [
+        guard("input_ids", "TENSOR_MATCH"),
+        guard("token_type_ids", "CONSTANT_MATCH"),
+        guard("", "GLOBAL_STATE"),
+        guard("", "SHAPE_ENV"),
+        guard("self.embeddings.word_embeddings.weight", "ID_MATCH"),
+        guard("self.encoder.layer._modules['0']._forward_hooks", "EMPTY_NN_MODULE_HOOKS_DICT"),
+        guard("self.encoder.layer._modules['0'].attention.self.num_heads", "EQUALS_MATCH"),
+        guard("self", "TYPE_MATCH"),
+        guard("G['attend'].__code__", "ID_MATCH", is_global=True),
+        guard("G['NO_MAPS'].layers", "SET_NOT_CONTAINS", is_global=True),
+    ]
+    kept = checked_guards(guards)  # type: ignore[arg-type]
+    assert kept == [True, True, True, True, True, False, False, False, True, False]
+    unidentified = [g for g in guards if g.guard_type != "ID_MATCH"]
+    assert checked_guards(unidentified) == [True] * len(unidentified)  # type: ignore[arg-type]
 
 
 def test_attention_maps_come_from_the_eager_pass(compiled: Embedder, eager: Embedder) -> None:
