@@ -72,9 +72,9 @@ SAMPLE_TIMINGS = 3
 # at 0.77x their eager texts/s (docs/benchmarks.md).
 MAX_TOKENS = FEED_FORWARD_CHUNK
 # The graphs one model's pass may hold (each model's compile keeps its own graphs and counts
-# them alone: `isolate_recompiles`): shapes (2) x segment ids or none (2) x thread counts (up
-# to 2), torch.compile's default limit exactly. Past the limit torch.compile would run the
-# pass eagerly, silently: `_compile` refuses instead.
+# them alone: `isolate_recompiles`). It needs shapes (2) x segment ids or none (2) x thread
+# counts (up to 2): torch.compile's default limit of 8 with no room to spare. Past the limit
+# torch.compile would run the pass eagerly, silently: `_compile` refuses instead.
 RECOMPILE_LIMIT = 16
 
 
@@ -96,15 +96,10 @@ def compile_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 def checked_guards(guards: Sequence[GuardFilterEntry]) -> list[bool]:
     """Which of a graph's guards each call checks: those on the pass's arguments (their
     shapes and dtypes, which are None) and on torch's state (grad mode, the thread count), and
-    the identities of objects, the weights' among them, which tell a model's graphs from those
-    of another model of its architecture. Not the rest, on the modules' attributes and hooks
-    and on the module-level code the pass calls, which a served model never changes (its
-    weights are frozen into the graph anyway): they were most of the checking, several tens
-    of microseconds a call (docs/benchmarks.md). A graph with no weight's identity among its
-    guards keeps them all."""
-    identified = any(guard.guard_type == "ID_MATCH" and _on_modules(guard) for guard in guards)
-    if not identified:
-        return [True] * len(guards)
+    the identities of objects, the weights' among them (a graph holds the weights it was
+    compiled with). Not the rest, on the modules' attributes and hooks and on the
+    module-level code the pass calls, which a served model never changes: they were most of
+    the checking, several tens of microseconds a call (docs/benchmarks.md)."""
     return [
         guard.guard_type == "ID_MATCH" or not (guard.is_global or _on_modules(guard))
         for guard in guards
