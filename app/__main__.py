@@ -68,9 +68,8 @@ def over_budget(settings: Settings, folders: dict[str, Path]) -> str | None:
     copy); compiled (`compile`), once more for the checkpoint's layout a prepacked layer keeps
     (shared) and once for each graph inductor compiles (one input and batches, on each thread
     count a pass may run on; twice that for a model that reads pairs, which is not known
-    before it loads), but not in int8, whose graphs call its packed layers and keep no
-    weights of their own. An estimate: the engines' working memory and inductor's own are not
-    counted."""
+    before it loads), but not in int8, whose graphs share its layers' int8 weights. An
+    estimate: the engines' working memory and inductor's own are not counted."""
     if settings.memory_budget_mb is None:
         return None
     gpus = sum(1 for device in settings.devices if device.startswith("cuda"))

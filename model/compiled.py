@@ -6,9 +6,9 @@ torch.compile's inductor and the weights frozen into the graph, inductor lays th
 weights out for oneDNN itself (tracing `F.linear` on the checkpoint's weight, which a
 prepacked layer keeps for it: model/prepacked.py), fuses what runs between the products
 (bias, activation, residual and LayerNorm, the heads' split and merge) into C++ loops, and
-calls all of it from generated C++ (`cpp_wrapper`): one Python call a pass. int8's products,
-whose packed weights no graph traces, stay fbgemm's, called from the graph by one custom op
-(model/opaque_calls.py). The price is start-up time (each graph compiles for seconds to tens
+calls all of it from generated C++ (`cpp_wrapper`): one Python call a pass. int8's layers are
+the row-wise ones (model/int8.py), whose activations' quantizing and scaling inductor fuses
+around each product. The price is start-up time (each graph compiles for seconds to tens
 of seconds), memory (each graph holds its own layout of the weights) and a C++ compiler on
 the machine (docs/benchmarks.md).
 
@@ -19,11 +19,10 @@ on. A compiled pass runs on the padded grid, its attention in
 `scaled_dot_product_attention` (model/packing.py's token packing and model/attention.py's
 other way read the mask's values, which a graph cannot). So batches run compiled only where
 that measured faster at start-up than the eager pass, timed twice: on a batch without
-padding (`batches`: int8's graph, for one, lost to its eager steps on many rows) and on a
-padded one, against the eager pass on its real tokens (`padded_batches`:
-in bfloat16 on AMX, not in float32, whose products dominate a batch and grow with its
-padding). A pass that keeps attention maps, or that no graph takes, runs eagerly: nothing is
-compiled on a request's time.
+padding (`batches`) and on a padded one, against the eager pass on its real tokens
+(`padded_batches`: in bfloat16 on AMX and in int8, not in float32, whose products dominate a
+batch and grow with its padding). A pass that keeps attention maps, or that no graph takes,
+runs eagerly: nothing is compiled on a request's time.
 """
 
 from __future__ import annotations
@@ -59,9 +58,9 @@ COMPILED_DTYPES = (torch.float32, torch.bfloat16)
 SAMPLE_TOKENS = 8
 # The batches timed both ways at start-up: short inputs of many lengths, as a server's
 # length-grouped batches are at their worst (a third of it padding); and, without padding, as
-# many short sentences as a busy server's batches hold (int8's graph won on a few rows and
-# lost on many: docs/benchmarks.md). Each way timed this many times, alternating, the
-# fastest kept.
+# many short sentences as a busy server's batches hold (int8 on fbgemm's products, before its
+# row-wise layers, won on a few rows and lost on many: docs/benchmarks.md). Each way timed
+# this many times, alternating, the fastest kept.
 SAMPLE_PADDED_LENGTHS = tuple(range(SAMPLE_TOKENS, 4 * SAMPLE_TOKENS, 2))
 SAMPLE_LENGTHS = (2 * SAMPLE_TOKENS,) * 32
 SAMPLE_TIMINGS = 3
@@ -119,14 +118,10 @@ class CompiledNetwork:
     # make it fail, to show that every pass `fits` promises runs compiled).
     stance = "eager_on_recompile"
 
-    def __init__(self, network: Encoder, *, takes_types: bool, quantized: bool = False) -> None:
-        """`takes_types`: the model reads pairs, whose passes take segment ids; `quantized`:
-        its products quantize their activations per call over all their rows (int8), where a
-        graph's padding would enter the ranges and change the vectors, so a padded batch
-        always runs eagerly, on its real tokens."""
+    def __init__(self, network: Encoder, *, takes_types: bool) -> None:
+        """`takes_types`: the model reads pairs, whose passes take segment ids."""
         self.network = network
         self.takes_types = takes_types
-        self.quantized = quantized
         self.graphs = 0
         # The torch thread counts the graphs were compiled for: a graph holds only for the
         # count it was compiled under (torch.compile guards on it), and an engine beside
@@ -171,7 +166,7 @@ class CompiledNetwork:
             self.thread_counts = frozenset(counts)
             torch.set_num_threads(own if own in self.thread_counts else counts[0])
             self.batches = self._runs_faster_compiled(padded=False)
-            self.padded_batches = not self.quantized and self._runs_faster_compiled(padded=True)
+            self.padded_batches = self._runs_faster_compiled(padded=True)
         finally:
             torch.set_num_threads(own)
         return self.graphs

@@ -123,7 +123,7 @@ class Embedder:
         if compile and (refusal := compile_unavailable(self.device, first.dtype)):
             raise ConfigError(refusal)
         if int8:
-            self.quantized = quantize_linears(network, weight_levels(cpu_flags()))
+            self.quantized = quantize_linears(network, weight_levels(cpu_flags()), rowwise=compile)
         elif prepack and can_prepack(self.device, first.dtype):
             # Compiled passes trace the checkpoint's weights, kept beside the packed ones.
             self.prepacked = prepack_linears(network, traceable=compile)
@@ -132,7 +132,7 @@ class Embedder:
         self.compiled: CompiledNetwork | None = None
         if compile:
             pairs = MODEL_TASKS[info.task].reads_pairs and network.config.type_vocab_size > 1
-            self.compiled = CompiledNetwork(network, takes_types=pairs, quantized=int8)
+            self.compiled = CompiledNetwork(network, takes_types=pairs)
         # Last, once the layers are swapped: what each pass reads, found at once.
         bind_attributes(network, head)
 

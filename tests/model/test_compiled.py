@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tests.model.test_architectures as architectures
-from model import ConfigError, Embedder, Encoded, opaque_calls, packing
+from model import ConfigError, Embedder, Encoded, packing
 from model.compiled import MAX_TOKENS, CompiledNetwork, checked_guards, compile_unavailable
 from model.device import resolve_dtype
 from model.errors import CompileError
@@ -269,42 +269,32 @@ def test_prepacked_layers_compile_on_the_checkpoints_weights(
     assert len(runs) == 2
 
 
-@pytest.mark.skipif(int8_unavailable(torch.device("cpu")) is not None, reason="no fbgemm here")
-def test_int8_passes_compile_around_the_packed_products(
+@pytest.mark.skipif(int8_unavailable(torch.device("cpu")) is not None, reason="no int8 here")
+def test_int8_passes_compile_with_rowwise_layers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """int8's products stay fbgemm's, called from the graph through one custom op
-    (model/opaque_calls.py): one input and a batch give the eager int8 vectors, each on a
-    graph, and every product ran through the op. A padded batch runs eagerly, however fast
-    the start-up timing found it compiled: padding would enter the activations' quantization
-    ranges."""
+    """A compiled int8 model's layers are the row-wise ones (model/int8.py): one input, a
+    batch and a padded batch each run on a graph and give the eager pass's vectors, and an
+    input's vector is the same alone as beside others, padding and all."""
     make_random_checkpoint(tmp_path, hidden_size=64, intermediate_size=128)
     pooling = {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
     cpu = torch.device("cpu")
-    int8 = resolve_dtype(INT8, cpu)
-    eager = Embedder.from_folder(tmp_path, cpu, int8)
-    compiled = Embedder.from_folder(tmp_path, cpu, int8, compile=True)
-    assert compiled.quantized == eager.quantized > 0 and compiled.compiled is not None
-    monkeypatch.setattr(compiled.compiled, "_runs_faster_compiled", lambda padded: True)
+    compiled = Embedder.from_folder(tmp_path, cpu, resolve_dtype(INT8, cpu), compile=True)
+    assert compiled.quantized > 0 and compiled.compiled is not None
+    texts = compiled.tokenize(TEXTS)
+    batches = ([texts[2]], [texts[2], texts[2]], texts)  # TEXTS' lengths differ: padding
+    eager = [compiled.forward(batch).pooled for batch in batches]  # before any graph
     assert compiled.compile_passes() == 2
-    assert compiled.compiled.batches and not compiled.compiled.padded_batches
+    compile_batches(compiled, monkeypatch)
     runs = graph_runs(compiled, monkeypatch)
-    products: list[int] = []
-
-    class Counted(dict[int, opaque_calls.OpaqueLinear]):
-        def __getitem__(self, key: int) -> opaque_calls.OpaqueLinear:
-            products.append(key)
-            return super().__getitem__(key)
-
-    monkeypatch.setattr(opaque_calls, "_layers", Counted(opaque_calls._layers))
-    texts = eager.tokenize(TEXTS)
-    for batch in ([texts[2]], [texts[2], texts[2]], texts):
-        got = compiled.forward(batch).pooled
-        assert largest_difference(got, eager.forward(batch).pooled) <= TOLERANCE
-    assert len(runs) == 2
-    # The op runs only in a graph: an eager pass calls each layer itself.
-    assert len(products) == 2 * compiled.quantized
+    got = [compiled.forward(batch).pooled for batch in batches]
+    assert len(runs) == 3
+    for vectors, expected in zip(got, eager, strict=True):
+        assert largest_difference(vectors, expected) <= TOLERANCE
+    alone = got[0][0]
+    for beside in (got[1][0], got[1][1], got[2][2]):
+        assert largest_difference(alone, beside) <= TOLERANCE
 
 
 def test_a_pair_model_compiles_its_passes_with_segment_ids(
