@@ -18,8 +18,8 @@ head) stays in float32. Never chosen by `auto`: it trades a little accuracy for 
 docs/benchmarks.md says how much of each.
 
 On CPUs without AVX-512 VNNI the weights use 7 bits (`NARROW_LEVELS`), so that 16-bit sums of
-products (fbgemm's, and oneDNN's on such CPUs) cannot saturate; the activations keep their 8
-bits.
+products cannot saturate; fbgemm's activations keep their 8 bits, the row-wise layer's take 7
+too (oneDNN may shift either operand to unsigned there).
 """
 
 from __future__ import annotations
@@ -59,8 +59,6 @@ def _quantized_tensors_allowed() -> Iterator[None]:
         yield
 
 
-# The activations' levels each side of zero in a row-wise layer.
-ACTIVATION_LEVELS = 127
 # The least scale: a row or channel of zeros quantizes to zeros.
 LEAST_SCALE = 1e-12
 
@@ -123,7 +121,9 @@ class RowwiseInt8Linear(FrozenLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = as_rows(x)
-        steps = (rows.abs().amax(dim=1, keepdim=True) / ACTIVATION_LEVELS).clamp(min=LEAST_SCALE)
+        # The weights' levels: 7 bits each side where 16-bit sums could saturate, whichever
+        # operand oneDNN shifts to unsigned there.
+        steps = (rows.abs().amax(dim=1, keepdim=True) / self.levels).clamp(min=LEAST_SCALE)
         quantized = torch.round(rows / steps).to(torch.int8)
         # As float32 before the scaling: eagerly, mixed dtypes take a slow path.
         sums = torch._int_mm(quantized, self.weight.t()).float()
@@ -134,7 +134,8 @@ class RowwiseInt8Linear(FrozenLinear):
         return shaped_like(out, x)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, int8 rows (weights within +-{self.levels})"
+        levels = self.levels
+        return f"{super().extra_repr()}, int8 per row (weights and activations within +-{levels})"
 
 
 def int8_unavailable(device: torch.device) -> str | None:

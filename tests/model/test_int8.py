@@ -95,6 +95,28 @@ def test_packed_weights_keep_within_their_levels(levels: int) -> None:
 
 
 @needs_int8
+@pytest.mark.parametrize("levels", [FULL_LEVELS, NARROW_LEVELS])
+def test_a_rowwise_layers_activations_keep_within_its_levels(
+    levels: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each row's largest activation lands on the weights' top level: 7 bits where oneDNN's
+    16-bit sums could saturate."""
+    layer = RowwiseInt8Linear(nn.Linear(64, 48), levels)
+    multiplied: list[torch.Tensor] = []
+    product = torch._int_mm
+
+    def recorded(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        multiplied.append(rows)
+        return product(rows, weight)
+
+    monkeypatch.setattr(torch, "_int_mm", recorded)
+    with torch.inference_mode():
+        layer(torch.randn(5, 64))
+    top = multiplied[0].abs().amax(dim=1)
+    assert torch.equal(top, torch.full_like(top, levels))
+
+
+@needs_int8
 def test_a_rowwise_layers_row_is_the_same_alone_and_beside_others() -> None:
     """Each row quantized from its own range: a token's output does not depend on the rows
     beside it, however much larger they are (fbgemm's one range per call would)."""
