@@ -12,17 +12,19 @@ around each product. The price is start-up time (each graph compiles for seconds
 of seconds), memory (each graph holds its own layout of the weights) and a C++ compiler on
 the machine (docs/benchmarks.md).
 
-The graphs take any batch size and token count up to MAX_TOKENS (dynamic shapes) and are all
-compiled at start-up (`compile_all`): one for a single input, one for batches, and both
+The graphs take any batch size and token count (dynamic shapes) and are all compiled at
+start-up (`compile_all`): one for a single input, one for batches, and both
 again with segment ids for a model that reads pairs, for each thread count a pass may run
 on. A compiled pass runs on the padded grid, its attention in
 `scaled_dot_product_attention` (model/packing.py's token packing and model/attention.py's
 other way read the mask's values, which a graph cannot). So batches run compiled only where
-that measured faster at start-up than the eager pass, timed twice: on a batch without
-padding (`batches`) and on a padded one, against the eager pass on its real tokens
+that measured faster at start-up than the eager pass, timed three times: on a batch without
+padding (`batches`), on a padded one, against the eager pass on its real tokens
 (`padded_batches`: in bfloat16 on AMX and in int8, not in float32, whose products dominate a
-batch and grow with its padding). A pass that keeps attention maps, or that no graph takes,
-runs eagerly: nothing is compiled on a request's time.
+batch and grow with its padding), and on one of more than MAX_TOKENS tokens, whose eager pass
+runs its feed-forward in chunks (`large_batches`: docs/benchmarks.md says where each ran). A
+pass that keeps attention maps, or that no graph takes, runs eagerly: nothing is compiled on a
+request's time.
 """
 
 from __future__ import annotations
@@ -64,12 +66,17 @@ SAMPLE_TOKENS = 8
 SAMPLE_PADDED_LENGTHS = tuple(range(SAMPLE_TOKENS, 4 * SAMPLE_TOKENS, 2))
 SAMPLE_LENGTHS = (2 * SAMPLE_TOKENS,) * 32
 SAMPLE_TIMINGS = 3
-# The most padded tokens a compiled pass runs. A larger eager pass runs its feed-forward a
-# chunk at a time (model/packing.py), its 4x-wide intermediate kept in cache, which a graph
-# cannot (the chunks' count would be a symbol), and its steps between the products are a
-# small share of it: in a server's one-thread engines, bfloat16's long passages ran compiled
-# at 0.77x their eager texts/s (docs/benchmarks.md).
+# The most padded tokens a compiled pass runs, unless a larger batch measured faster compiled
+# at start-up (`large_batches`). A larger eager pass runs its feed-forward a chunk at a time
+# (model/packing.py), its 4x-wide intermediate kept in cache, which a graph cannot (the
+# chunks' count would be a symbol), and its steps between the products are a small share of
+# it: in a server's one-thread engines, bfloat16's long passages ran compiled at 0.77x their
+# eager texts/s; int8's row-wise layers, whose eager steps are many small ops, ran faster
+# compiled at every size (docs/benchmarks.md).
 MAX_TOKENS = FEED_FORWARD_CHUNK
+# The larger batch timed both ways at start-up: inputs of up to this many tokens (the model's
+# limit if lower), twice MAX_TOKENS in all, without padding.
+SAMPLE_LARGE_LENGTH = 256
 # The graphs one model's pass may hold (each model's compile keeps its own graphs and counts
 # them alone: `isolate_recompiles`). It needs shapes (2) x segment ids or none (2) x thread
 # counts (up to 2): torch.compile's default limit of 8 with no room to spare. Past the limit
@@ -127,10 +134,11 @@ class CompiledNetwork:
         # count it was compiled under (torch.compile guards on it), and an engine beside
         # others changes its count per pass (app/cores.py).
         self.thread_counts: frozenset[int] = frozenset()
-        # Whether a batch without padding, and one with, runs compiled (see above); decided by
-        # `compile_all`.
+        # Whether a batch without padding, one with, and one of more than MAX_TOKENS run
+        # compiled (see above); decided by `compile_all`.
         self.batches = False
         self.padded_batches = False
+        self.large_batches = False
         # torch.compile's typed overloads lack `isolate_recompiles`, which it takes.
         self._compiled = torch.compile(  # type: ignore[call-overload]
             network,
@@ -165,8 +173,11 @@ class CompiledNetwork:
                         )
             self.thread_counts = frozenset(counts)
             torch.set_num_threads(own if own in self.thread_counts else counts[0])
-            self.batches = self._runs_faster_compiled(padded=False)
-            self.padded_batches = self._runs_faster_compiled(padded=True)
+            self.batches = self._runs_faster_compiled(SAMPLE_LENGTHS, "without padding")
+            self.padded_batches = self._runs_faster_compiled(SAMPLE_PADDED_LENGTHS, "with padding")
+            large = min(SAMPLE_LARGE_LENGTH, self.network.config.max_positions)
+            lengths = (large,) * (2 * MAX_TOKENS // large)
+            self.large_batches = self._runs_faster_compiled(lengths, f"of {sum(lengths)} tokens")
         finally:
             torch.set_num_threads(own)
         return self.graphs
@@ -205,10 +216,9 @@ class CompiledNetwork:
                 f"{RECOMPILE_LIMIT} a model)"
             )
 
-    def _runs_faster_compiled(self, *, padded: bool) -> bool:
-        """Whether the sample batch, with padding or without, ran faster compiled than eagerly
-        (the fastest of SAMPLE_TIMINGS passes each way)."""
-        lengths = SAMPLE_PADDED_LENGTHS if padded else SAMPLE_LENGTHS
+    def _runs_faster_compiled(self, lengths: Sequence[int], batch: str) -> bool:
+        """Whether a batch of inputs of these lengths ran faster compiled than eagerly (the
+        fastest of SAMPLE_TIMINGS passes each way); `batch` says which, for the log."""
         ids = torch.full((len(lengths), max(lengths)), self.network.config.pad_token_id)
         mask = torch.zeros_like(ids)
         for row, length in enumerate(lengths):
@@ -227,8 +237,8 @@ class CompiledNetwork:
                     best[name] = min(best[name], time.perf_counter() - started)
         faster = best["compiled"] <= best["eager"]
         log.info(
-            "a batch %s padding took %.1f ms compiled, %.1f ms eagerly: such batches run %s",
-            "with" if padded else "without",
+            "a batch %s took %.1f ms compiled, %.1f ms eagerly: such batches run %s",
+            batch,
             best["compiled"] * 1000,
             best["eager"] * 1000,
             "compiled" if faster else "eagerly",
@@ -237,13 +247,13 @@ class CompiledNetwork:
 
     def fits(self, input_ids: Tensor, token_type_ids: Tensor | None, *, padded: bool) -> bool:
         """Whether a compiled graph takes this pass: two tokens or more (a graph assumes
-        so) and at most MAX_TOKENS in all, one input or a batch as `batches` and
-        `padded_batches` say, segment ids only where there are graphs for them, on a thread
-        count compiled for."""
+        so), at most MAX_TOKENS in all unless `large_batches`, one input or a batch as
+        `batches` and `padded_batches` say, segment ids only where there are graphs for them,
+        on a thread count compiled for."""
         unpadded_runs = self.batches or input_ids.shape[0] == 1
         return (
             input_ids.shape[1] >= 2
-            and input_ids.numel() <= MAX_TOKENS
+            and (self.large_batches or input_ids.numel() <= MAX_TOKENS)
             and (self.padded_batches if padded else unpadded_runs)
             and (token_type_ids is None or self.takes_types)
             and torch.get_num_threads() in self.thread_counts

@@ -8,7 +8,7 @@ to a graph must run on it, and the passes that should be are."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -124,23 +124,49 @@ def test_compiled_passes_give_the_eager_vectors_and_compile_nothing_more(
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_passes_of_up_to_max_tokens_run_on_the_graphs_and_larger_ones_eagerly(
-    compiled: Embedder, eager: Embedder, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("large_batches", [False, True])
+def test_passes_of_up_to_max_tokens_run_on_the_graphs_and_larger_ones_as_timed(
+    compiled: Embedder, eager: Embedder, monkeypatch: pytest.MonkeyPatch, large_batches: bool
 ) -> None:
     """A batch of MAX_TOKENS padded tokens and one long input run compiled (no size in
-    between ties a graph); a batch of more runs eagerly, its feed-forward in chunks."""
+    between ties a graph); a batch of more runs eagerly, its feed-forward in chunks, unless
+    such a batch measured faster compiled at start-up."""
     compile_batches(compiled, monkeypatch)
+    assert compiled.compiled is not None
+    monkeypatch.setattr(compiled.compiled, "large_batches", large_batches)
     runs = graph_runs(compiled, monkeypatch)
     rows = MAX_TOKENS // 32
     for batch, on_graphs in (
         ([[2, *range(10, 40), 3]] * rows, True),
         ([[2, *range(10, 48), 3]], True),
-        ([[2, *range(10, 40), 3]] * (rows + 1), False),
+        ([[2, *range(10, 40), 3]] * (rows + 1), large_batches),
     ):
         runs.clear()
         got = compiled.forward(batch).pooled
         assert largest_difference(got, eager.forward(batch).pooled) <= TOLERANCE
         assert len(runs) == on_graphs
+
+
+def test_the_start_up_timings_decide_which_batches_run_compiled(
+    eager: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three sample batches are timed both ways: short inputs of one length, of many lengths
+    (padded), and more than MAX_TOKENS tokens within the model's positions; each decides its
+    kind of batch."""
+    network = CompiledNetwork(eager.network, takes_types=False)
+    monkeypatch.setattr(network, "_compile", lambda batch, types: None)
+    asked: list[Sequence[int]] = []
+
+    def timed(lengths: Sequence[int], batch: str) -> bool:
+        asked.append(lengths)
+        return len(asked) != 2  # the padded sample ran faster eagerly
+
+    monkeypatch.setattr(network, "_runs_faster_compiled", timed)
+    assert network.compile_all([1]) == 2
+    assert (network.batches, network.padded_batches, network.large_batches) == (True, False, True)
+    unpadded, padded, large = asked
+    assert len(set(unpadded)) == 1 and len(set(padded)) > 1
+    assert sum(large) > MAX_TOKENS and max(large) <= eager.network.config.max_positions
 
 
 def test_a_pass_runs_on_the_graph_of_its_thread_count(
