@@ -247,14 +247,14 @@ class CompiledNetwork:
 
     def fits(self, input_ids: Tensor, token_type_ids: Tensor | None, *, padded: bool) -> bool:
         """Whether a compiled graph takes this pass: two tokens or more (a graph assumes
-        so), at most MAX_TOKENS in all unless `large_batches`, one input or a batch as
-        `batches` and `padded_batches` say, segment ids only where there are graphs for them,
-        on a thread count compiled for."""
-        unpadded_runs = self.batches or input_ids.shape[0] == 1
+        so), at most MAX_TOKENS in all unless `large_batches`, one unpadded input (whose graph
+        attends with no mask) or a batch as `batches` and `padded_batches` say, segment ids
+        only where there are graphs for them, on a thread count compiled for."""
+        one = input_ids.shape[0] == 1
         return (
             input_ids.shape[1] >= 2
             and (self.large_batches or input_ids.numel() <= MAX_TOKENS)
-            and (self.padded_batches if padded else unpadded_runs)
+            and (self.padded_batches and not one if padded else self.batches or one)
             and (token_type_ids is None or self.takes_types)
             and torch.get_num_threads() in self.thread_counts
         )

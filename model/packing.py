@@ -41,9 +41,13 @@ class TokenLayout:
         index = None
         # On a GPU the mask is not read back (that would wait for the device), nor in a
         # compiled pass (model/compiled.py), whose graph cannot depend on its values: their
-        # layers always run on the grid, with the mask.
+        # layers always run on the grid, with the mask. But a compiled single input hides
+        # nothing: its graph is its own (torch.compile specialises a size of 1), and only an
+        # unpadded row runs on it (`CompiledNetwork.fits`).
         hides_nothing = False
-        if attention_mask.device.type == "cpu" and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            hides_nothing = batch == 1
+        elif attention_mask.device.type == "cpu":
             flat = attention_mask.reshape(-1).bool()
             padded = flat.numel() - int(flat.sum())
             hides_nothing = padded == 0

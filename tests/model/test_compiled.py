@@ -210,6 +210,23 @@ def test_a_one_token_input_and_unexpected_segment_ids_run_eagerly(
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_a_single_inputs_graph_attends_with_no_mask_and_takes_no_padding(
+    compiled: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Traced for one input, the mask hides nothing (no mask to make or add in each layer);
+    for a batch it is the mask's to say. So a padded single row never runs on the graph."""
+    assert compiled.compiled is not None
+    compile_batches(compiled, monkeypatch)
+    row = torch.tensor([[7, 8, 9]])
+    assert compiled.compiled.fits(row, None, padded=False)
+    assert not compiled.compiled.fits(row, None, padded=True)
+    assert compiled.compiled.fits(torch.cat([row, row]), None, padded=True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert packing.TokenLayout.from_mask(torch.ones(1, 3)).key_mask.hides_nothing
+    assert not packing.TokenLayout.from_mask(torch.ones(2, 3)).key_mask.hides_nothing
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_two_models_of_one_architecture_each_run_their_own_graphs(
     compiled: Embedder, eager: Embedder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
