@@ -37,10 +37,9 @@ from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from model.architectures import Encoder
-from model.architectures.base import EncoderOutput
 from model.errors import CompileError
 from model.packing import FEED_FORWARD_CHUNK
 
@@ -117,6 +116,32 @@ def _on_modules(guard: GuardFilterEntry) -> bool:
     return guard.name == "self" or guard.name.startswith(("self.", "self["))
 
 
+class PooledPass(nn.Module):
+    """The encoder's pass, and an embedding model's pipeline (pooling, Dense layers, the cut:
+    model/pipeline.py) after it, in one graph: eagerly the pipeline's few small steps cost
+    more than the graph's kernel for them (docs/benchmarks.md). Other heads run after."""
+
+    def __init__(self, network: Encoder, pipeline: nn.Module | None) -> None:
+        super().__init__()
+        self.network = network
+        self.pipeline = pipeline
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        token_type_ids: Tensor | None,
+        prompt_lengths: Tensor,
+    ) -> tuple[Tensor, Tensor | None]:
+        """(B, T, D) last hidden states, and (B, dimensions) vectors where there is a
+        pipeline."""
+        hidden = self.network(input_ids, attention_mask, token_type_ids).hidden
+        if self.pipeline is None:
+            return hidden, None
+        pooled: Tensor = self.pipeline(hidden, attention_mask, prompt_lengths)
+        return hidden, pooled
+
+
 class CompiledNetwork:
     """An encoder's forward pass compiled by inductor, eager where no compiled graph fits.
     Called on one thread (the engine's compute thread), as the eager network is."""
@@ -125,10 +150,14 @@ class CompiledNetwork:
     # make it fail, to show that every pass `fits` promises runs compiled).
     stance = "eager_on_recompile"
 
-    def __init__(self, network: Encoder, *, takes_types: bool) -> None:
-        """`takes_types`: the model reads pairs, whose passes take segment ids."""
+    def __init__(
+        self, network: Encoder, *, takes_types: bool, pipeline: nn.Module | None = None
+    ) -> None:
+        """`takes_types`: the model reads pairs, whose passes take segment ids; `pipeline`:
+        an embedding model's, run in the same graph (`PooledPass`)."""
         self.network = network
         self.takes_types = takes_types
+        self.pooled_pass = PooledPass(network, pipeline)
         self.graphs = 0
         # The torch thread counts the graphs were compiled for: a graph holds only for the
         # count it was compiled under (torch.compile guards on it), and an engine beside
@@ -141,7 +170,7 @@ class CompiledNetwork:
         self.large_batches = False
         # torch.compile's typed overloads lack `isolate_recompiles`, which it takes.
         self._compiled = torch.compile(  # type: ignore[call-overload]
-            network,
+            self.pooled_pass,
             dynamic=True,
             fullgraph=True,
             options={"guard_filter_fn": checked_guards},
@@ -187,6 +216,7 @@ class CompiledNetwork:
         ids = torch.full((batch, SAMPLE_TOKENS), self.network.config.pad_token_id + 1)
         mask = torch.ones_like(ids)
         segments = torch.zeros_like(ids) if types else None
+        prompts = torch.zeros(batch, dtype=torch.long)
         # Imported here: they import torch._dynamo, seconds that an eager server never spends.
         from torch._dynamo import config as dynamo
         from torch._dynamo.utils import counters
@@ -203,7 +233,7 @@ class CompiledNetwork:
             ):
                 # Inductor's own use of a torch API it deprecates: nothing to act on.
                 warnings.filterwarnings("ignore", r"`torch\.jit\.", DeprecationWarning)
-                self._compiled(ids, mask, segments)
+                self._compiled(ids, mask, segments, prompts)
         except Exception as error:  # dynamo's and inductor's own, of many kinds
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
             raise CompileError(
@@ -225,15 +255,16 @@ class CompiledNetwork:
             ids[row, :length] = self.network.config.pad_token_id + 1
             mask[row, :length] = 1
         best = {"compiled": float("inf"), "eager": float("inf")}
+        prompts = torch.zeros(len(lengths), dtype=torch.long)
         ways: dict[str, Callable[..., object]] = {
             "compiled": self._compiled,
-            "eager": self.network,
+            "eager": self.pooled_pass,
         }
         with torch.inference_mode():
             for _ in range(SAMPLE_TIMINGS):
                 for name, way in ways.items():
                     started = time.perf_counter()
-                    way(ids, mask, None)
+                    way(ids, mask, None, prompts)
                     best[name] = min(best[name], time.perf_counter() - started)
         faster = best["compiled"] <= best["eager"]
         log.info(
@@ -264,14 +295,16 @@ class CompiledNetwork:
         input_ids: Tensor,
         attention_mask: Tensor,
         token_type_ids: Tensor | None,
+        prompt_lengths: Tensor,
         *,
         padded: bool,
-    ) -> EncoderOutput:
-        """The pass on the compiled graph that fits, else eagerly. `padded`: whether the
-        mask hides any token (known to the caller without reading it)."""
+    ) -> tuple[Tensor, Tensor | None]:
+        """`PooledPass`'s pass on the compiled graph that fits, else eagerly. `padded`:
+        whether the mask hides any token (known to the caller without reading it)."""
+        arguments = (input_ids, attention_mask, token_type_ids, prompt_lengths)
         if not self.fits(input_ids, token_type_ids, padded=padded):
-            eager: EncoderOutput = self.network(input_ids, attention_mask, token_type_ids)
+            eager: tuple[Tensor, Tensor | None] = self.pooled_pass(*arguments)
             return eager
         with torch.compiler.set_stance(self.stance):
-            output: EncoderOutput = self._compiled(input_ids, attention_mask, token_type_ids)
+            output: tuple[Tensor, Tensor | None] = self._compiled(*arguments)
         return output

@@ -132,7 +132,8 @@ class Embedder:
         self.compiled: CompiledNetwork | None = None
         if compile:
             pairs = MODEL_TASKS[info.task].reads_pairs and network.config.type_vocab_size > 1
-            self.compiled = CompiledNetwork(network, takes_types=pairs)
+            pipeline = head if isinstance(head, EmbeddingPipeline) else None
+            self.compiled = CompiledNetwork(network, takes_types=pairs, pipeline=pipeline)
         # Last, once the layers are swapped: what each pass reads, found at once.
         bind_attributes(network, head)
 
@@ -253,25 +254,31 @@ class Embedder:
         input_ids = _on(grid, self.device)
         attention_mask = _on(mask, self.device)
         maps = MapRequest(frozenset(attention.layers), attention.heads) if attention else None
+        prompt_tensor = _on(prompt_lengths, self.device)
         with torch.inference_mode():
             types = type_ids.to(self.device) if type_ids is not None else None
+            vectors: Tensor | None = None
             if self.compiled is not None and maps is None:  # a graph keeps no maps
                 padded = bool(lengths.min(initial=width) < width)
-                out = self.compiled(input_ids, attention_mask, types, padded=padded)
+                hidden, vectors = self.compiled(
+                    input_ids, attention_mask, types, prompt_tensor, padded=padded
+                )
+                layer_maps: dict[int, Tensor] = {}
             else:
                 out = self.network(input_ids, attention_mask, types, maps)
-            if isinstance(self.head, EmbeddingPipeline):
-                prompt_tensor = _on(prompt_lengths, self.device)
-                pooled = self.head(out.hidden, attention_mask, prompt_tensor).cpu()
-            else:
-                pooled = self.head(out.hidden, attention_mask).cpu()
+                hidden, layer_maps = out.hidden, out.maps
+            if vectors is None and isinstance(self.head, EmbeddingPipeline):
+                vectors = self.head(hidden, attention_mask, prompt_tensor)
+            elif vectors is None:
+                vectors = self.head(hidden, attention_mask)
+            pooled = vectors.cpu()
             tokens = None
             if token_embeddings:
-                states = out.hidden.float().cpu()
+                states = hidden.float().cpu()
                 tokens = [states[row, :n].clone() for row, n in enumerate(lengths)]
             attentions = None
             if attention is not None:
-                attentions = _per_input_maps(out.maps, lengths, attention.mean)
+                attentions = _per_input_maps(layer_maps, lengths, attention.mean)
         return BatchOutput(pooled, tokens, attentions)
 
     def graph_shape(

@@ -210,6 +210,30 @@ def test_a_one_token_input_and_unexpected_segment_ids_run_eagerly(
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_an_embedding_models_pipeline_runs_in_its_graphs(
+    compiled: Embedder, eager: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pooling and the rest of the pipeline are part of the graph: a pass on a graph calls
+    no eager pipeline, and gives its vectors; a pass that keeps maps runs it eagerly."""
+    calls: list[int] = []
+    pipeline = compiled.head.forward
+
+    def counted(*arguments: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return pipeline(*arguments)
+
+    monkeypatch.setattr(compiled.head, "forward", counted)
+    runs = graph_runs(compiled, monkeypatch)
+    batch = eager.tokenize(TEXTS[2:3])
+    got = compiled.forward(batch).pooled
+    assert len(runs) == 1 and not calls
+    assert largest_difference(got, eager.forward(batch).pooled) <= TOLERANCE
+    with_maps = compiled.forward(batch, attention=every_map(compiled)).pooled
+    assert len(runs) == 1 and len(calls) == 1
+    assert largest_difference(with_maps, got) <= TOLERANCE
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_a_single_inputs_graph_attends_with_no_mask_and_takes_no_padding(
     compiled: Embedder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
