@@ -43,6 +43,7 @@ from tokenizers import Tokenizer
 from bench.side_by_side import turns
 from bench.workload import varied_sentences
 from model import DEFAULT_MODEL_ID, Embedder
+from model.compiled import MAX_TOKENS
 from model.device import BF16_FLAGS, cpu_flags
 from model.resolve import resolve_model_dir
 
@@ -61,7 +62,13 @@ def ours(dtype: str, compile: bool = False) -> Encode:
     if compile:
         started = time.perf_counter()
         graphs = embedder.compile_passes()
-        print(f"ours {dtype} compiled: {graphs} graphs in {time.perf_counter() - started:.1f} s")
+        assert embedder.compiled is not None
+        runs = embedder.compiled  # where the start-up timings send batches
+        print(
+            f"ours {dtype} compiled: {graphs} graphs in {time.perf_counter() - started:.1f} s; "
+            f"compiled batches: without padding {runs.batches}, with padding "
+            f"{runs.padded_batches}, above {MAX_TOKENS} tokens {runs.large_batches}"
+        )
     return lambda texts: embedder.embed(texts).float().numpy()
 
 
