@@ -64,12 +64,13 @@ def model_folders(settings: Settings) -> dict[str, Path]:
 def over_budget(settings: Settings, folders: dict[str, Path]) -> str | None:
     """Why the models cannot fit `memory_budget_mb`, if they cannot: their weights at the
     dtype they run in, once per GPU they are on and, on the CPU, once per engine where each
-    lays its linear layers out for its kernel (`prepack`), else once for all (which share one
-    copy); compiled (`compile`), once more for the checkpoint's layout a prepacked layer keeps
-    (shared) and once for each graph inductor compiles (one input and batches, on each thread
-    count a pass may run on; twice that for a model that reads pairs, which is not known
-    before it loads), but not in int8, whose graphs share its layers' int8 weights. An
-    estimate: the engines' working memory and inductor's own are not counted."""
+    lays its linear layers out for its kernel (`prepack`, and int8 served eagerly), else once
+    for all (which share one copy); compiled (`compile`), once more for the checkpoint's
+    layout a prepacked layer keeps (shared) and once for each graph inductor compiles (one
+    input and batches, on each thread count a pass may run on; twice that for a model that
+    reads pairs, which is not known before it loads), but not in int8, whose graphs share its
+    layers' int8 weights. An estimate: the engines' working memory and inductor's own are not
+    counted."""
     if settings.memory_budget_mb is None:
         return None
     gpus = sum(1 for device in settings.devices if device.startswith("cuda"))
@@ -78,8 +79,12 @@ def over_budget(settings: Settings, folders: dict[str, Path]) -> str | None:
     for served in settings.models():
         own = settings.for_model(served)
         shared = min(cpu_engines, 1)
-        cpu_copies = cpu_engines if own.prepack else shared
-        if own.compile and own.dtype != "int8":
+        # Each engine's own copy where its layers are packed for their kernel: prepacked
+        # float layers, and int8's fbgemm ones; a compiled int8 model's are plain, shared.
+        int8 = own.dtype == "int8"
+        own_copies = not own.compile if int8 else own.prepack
+        cpu_copies = cpu_engines if own_copies else shared
+        if own.compile and not int8:
             thread_counts = 2 if cpu_engines > 1 else 1  # a lone pass takes every core
             kept = shared if own.prepack else 0
             cpu_copies += kept + cpu_engines * 2 * thread_counts

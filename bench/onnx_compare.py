@@ -63,11 +63,11 @@ def ours(dtype: str, compile: bool = False) -> Encode:
         started = time.perf_counter()
         graphs = embedder.compile_passes()
         assert embedder.compiled is not None
-        runs = embedder.compiled  # where the start-up timings send batches
+        compiled = embedder.compiled  # where the start-up timings send batches
         print(
             f"ours {dtype} compiled: {graphs} graphs in {time.perf_counter() - started:.1f} s; "
-            f"compiled batches: without padding {runs.batches}, with padding "
-            f"{runs.padded_batches}, above {MAX_TOKENS} tokens {runs.large_batches}"
+            f"compiled batches: without padding {compiled.batches}, with padding "
+            f"{compiled.padded_batches}, above {MAX_TOKENS} tokens {compiled.large_batches}"
         )
     return lambda texts: embedder.embed(texts).float().numpy()
 

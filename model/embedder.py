@@ -110,7 +110,7 @@ class Embedder:
         first = next(network.parameters())
         self.device = first.device
         # Embeddings on a GPU run as captured graphs where the batch is small enough
-        # (model/cuda_graphs.py); the other heads and all CPU work run eagerly.
+        # (model/cuda_graphs.py); the other heads run eagerly.
         self.graphs: GraphedForward | None = None
         if cuda_graphs and self.device.type == "cuda" and isinstance(head, EmbeddingPipeline):
             self.graphs = GraphedForward(self.pooled_forward, self.device, info.max_input_tokens)

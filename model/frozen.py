@@ -1,5 +1,5 @@
-"""Linear layers whose weight is packed into an opaque tensor for one kernel
-(model/prepacked.py, model/int8.py), which therefore refuse to be moved, converted or saved."""
+"""Linear layers whose weight is laid out for one kernel (model/prepacked.py, model/int8.py),
+often in an opaque packed tensor, which therefore refuse to be moved, converted or saved."""
 
 from __future__ import annotations
 

@@ -46,7 +46,9 @@ class TokenLayout:
         # unpadded row runs on it (`CompiledNetwork.fits`).
         hides_nothing = False
         if torch.compiler.is_compiling():
-            hides_nothing = batch == 1
+            # An int only where the size is specialised: `batch == 1` on a symbol would be a
+            # symbolic comparison of its own.
+            hides_nothing = isinstance(batch, int) and batch == 1
         elif attention_mask.device.type == "cpu":
             flat = attention_mask.reshape(-1).bool()
             padded = flat.numel() - int(flat.sum())

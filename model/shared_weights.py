@@ -6,9 +6,10 @@ buffers to the store's file, and every worker, that one included, points its mod
 read-only shared mapping of it, after checking that the mapped values equal its own. Their
 private copies are freed, so N workers hold these weights once, in the page cache (the memory
 per process is in docs/benchmarks.md). What the file holds is what stays in ordinary tensors:
-the linear layers' weights are prepacked for their kernel (model/prepacked.py) into opaque
-tensors of each process's own, so the file holds the embedding tables, norms, biases and the
-heads' weights (all of them with `--no-prepack`).
+the linear layers' weights are prepacked for their kernel (model/prepacked.py, and int8's for
+fbgemm) into opaque tensors of each process's own, so the file holds the embedding tables,
+norms, biases and the heads' weights (all of them with `--no-prepack`, and a compiled int8
+model's int8 weights and scales, which are plain).
 
 A read-only mapping: a worker that wrote to a weight would crash on it, instead of changing
 the vectors of every other worker. Weights that differ from the store's (which two workers

@@ -83,6 +83,7 @@ FULL_TIER_TESTS: dict[str, set[str]] = {
         "test_passes_of_up_to_max_tokens_run_on_the_graphs_and_larger_ones_as_timed",
         "test_an_embedding_models_pipeline_runs_in_its_graphs",
         "test_a_single_inputs_graph_attends_with_no_mask_and_takes_no_padding",
+        "test_int8_passes_compile_with_rowwise_layers",
         "test_a_pass_runs_on_the_graph_of_its_thread_count",
         "test_a_one_token_input_and_unexpected_segment_ids_run_eagerly",
         "test_attention_maps_come_from_the_eager_pass",

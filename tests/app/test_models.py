@@ -236,10 +236,14 @@ def test_models_over_the_memory_budget_are_refused_by_name(folders: dict[str, Pa
     )
     refusal = over_budget(compiled, served)
     assert refusal is not None and "minilm: 953 MiB" in refusal
-    # int8's graphs call its packed layers: each engine's own int8 copy only, 2 x 32 MiB.
-    int8 = compiled.model_copy(update={"memory_budget_mb": 70, "dtype": "int8"})
+    # A compiled int8 model's graphs share its plain int8 layers, which the engines share
+    # too: one copy, 32 MiB. Served eagerly, each engine packs its own for fbgemm: 2 x 32 MiB.
+    int8 = compiled.model_copy(update={"memory_budget_mb": 40, "dtype": "int8"})
     assert over_budget(int8, served) is None
-    refusal = over_budget(int8.model_copy(update={"memory_budget_mb": 60}), served)
+    refusal = over_budget(int8.model_copy(update={"memory_budget_mb": 30}), served)
+    assert refusal is not None and "minilm: 32 MiB" in refusal
+    eager_int8 = int8.model_copy(update={"compile": False, "prepack": False})
+    refusal = over_budget(eager_int8, served)
     assert refusal is not None and "minilm: 65 MiB" in refusal
 
 

@@ -17,7 +17,13 @@ import torch
 
 import tests.model.test_architectures as architectures
 from model import ConfigError, Embedder, Encoded, packing
-from model.compiled import MAX_TOKENS, CompiledNetwork, checked_guards, compile_unavailable
+from model.compiled import (
+    LARGE_BATCH_MARGIN,
+    MAX_TOKENS,
+    CompiledNetwork,
+    checked_guards,
+    compile_unavailable,
+)
 from model.device import resolve_dtype
 from model.errors import CompileError
 from model.int8 import INT8, int8_unavailable
@@ -156,9 +162,11 @@ def test_the_start_up_timings_decide_which_batches_run_compiled(
     network = CompiledNetwork(eager.network, takes_types=False)
     monkeypatch.setattr(network, "_compile", lambda batch, types: None)
     asked: list[Sequence[int]] = []
+    margins: list[float] = []
 
-    def timed(lengths: Sequence[int], batch: str) -> bool:
+    def timed(lengths: Sequence[int], batch: str, margin: float = 1.0) -> bool:
         asked.append(lengths)
+        margins.append(margin)
         return len(asked) != 2  # the padded sample ran faster eagerly
 
     monkeypatch.setattr(network, "_runs_faster_compiled", timed)
@@ -167,6 +175,8 @@ def test_the_start_up_timings_decide_which_batches_run_compiled(
     unpadded, padded, large = asked
     assert len(set(unpadded)) == 1 and len(set(padded)) > 1
     assert sum(large) > MAX_TOKENS and max(large) <= eager.network.config.max_positions
+    assert min(large) < max(large)  # padded, as some large batches are
+    assert margins == [1.0, 1.0, LARGE_BATCH_MARGIN] and LARGE_BATCH_MARGIN < 1
 
 
 def test_a_pass_runs_on_the_graph_of_its_thread_count(

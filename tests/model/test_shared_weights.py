@@ -11,7 +11,9 @@ import torch
 from torch import Tensor
 
 from model import Embedder
+from model.device import resolve_dtype
 from model.heads import MaskedLMHead
+from model.int8 import INT8, int8_unavailable
 from model.shared_weights import WeightStore
 from tests.task_checkpoints import MASKED_LMS, save_task_model
 
@@ -59,6 +61,27 @@ def test_two_embedders_share_one_read_only_copy_and_give_the_same_vectors(
     # One file holds every tensor once (a tensor starts on a 64-byte boundary).
     size = sum(t.numel() * t.element_size() for t in weights_of(first))
     assert size <= store.data.stat().st_size < size + 64 * len(weights_of(first))
+
+
+@pytest.mark.skipif(int8_unavailable(CPU) is not None, reason="no int8 here")
+def test_a_compiled_int8_models_rowwise_weights_are_shared_too(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Its int8 weights and their scales are plain parameters (model/int8.py): one copy in
+    the store for every engine, the vectors unchanged (before any graph is compiled, which
+    freezes the weights it was traced with: `share_weights` comes first)."""
+    int8 = resolve_dtype(INT8, CPU)
+    reference = Embedder.from_folder(tiny_checkpoint, CPU, int8, compile=True).embed(TEXTS)
+    store = WeightStore(tmp_path)
+    first, second = (
+        Embedder.from_folder(tiny_checkpoint, CPU, int8, compile=True) for _ in range(2)
+    )
+    assert first.share_weights(store) and second.share_weights(store)
+    for embedder in (first, second):
+        weights = weights_of(embedder)
+        assert any(tensor.dtype == torch.int8 for tensor in weights)
+        assert all(in_store(tensor, store) for tensor in weights)
+        assert torch.equal(embedder.embed(TEXTS), reference)
 
 
 def test_a_tied_vocabulary_matrix_follows_the_shared_word_embeddings(tmp_path: Path) -> None:
