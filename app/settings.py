@@ -260,7 +260,7 @@ class Settings(BaseSettings):
         description=(
             "On a CPU, in float32, bfloat16 or int8, compile the encoder's passes with "
             "torch.compile (inductor) at start-up: a single input a sixth to a fifth faster in "
-            "one process, int8's a quarter, its activations quantized per token "
+            "one process, int8's a quarter to a third, its activations quantized per token "
             "(docs/benchmarks.md), for tens of seconds more to start and hundreds of MiB more "
             "per engine; needs a C++ compiler (g++). A pass that keeps attention maps runs "
             "eagerly."

@@ -79,9 +79,9 @@ MAX_TOKENS = FEED_FORWARD_CHUNK
 SAMPLE_LARGE_LENGTH = 256
 # How much faster compiled that batch must run: timed alone, a graph's feed-forward over the
 # whole batch does not show what it costs beside another engine's passes on the same caches.
-# Two one-thread bfloat16 engines ran long passages at 0.66x their ceiling so, after a start-up
-# timing of 0.94x; int8's row-wise layers, whose eager steps are many small ops, measured
-# 0.65x (docs/benchmarks.md).
+# Two one-thread bfloat16 engines ran long passages at 0.66x their ceiling so, where the
+# start-up timing on one thread, alone, read 0.94x; int8's row-wise layers, whose eager steps
+# are many small ops, read 0.65x (docs/benchmarks.md).
 LARGE_BATCH_MARGIN = 0.8
 # The graphs one model's pass may hold (each model's compile keeps its own graphs and counts
 # them alone: `isolate_recompiles`). It needs shapes (2) x segment ids or none (2) x thread

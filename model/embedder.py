@@ -257,7 +257,6 @@ class Embedder:
         prompt_tensor = _on(prompt_lengths, self.device)
         with torch.inference_mode():
             types = type_ids.to(self.device) if type_ids is not None else None
-            vectors: Tensor | None = None
             if self.compiled is not None and maps is None:  # a graph keeps no maps
                 padded = bool(lengths.min(initial=width) < width)
                 hidden, vectors = self.compiled(
@@ -266,11 +265,13 @@ class Embedder:
                 layer_maps: dict[int, Tensor] = {}
             else:
                 out = self.network(input_ids, attention_mask, types, maps)
-                hidden, layer_maps = out.hidden, out.maps
-            if vectors is None and isinstance(self.head, EmbeddingPipeline):
-                vectors = self.head(hidden, attention_mask, prompt_tensor)
-            elif vectors is None:
-                vectors = self.head(hidden, attention_mask)
+                hidden, layer_maps, vectors = out.hidden, out.maps, None
+            if vectors is None:  # the pass ran no pipeline: the head runs now
+                vectors = (
+                    self.head(hidden, attention_mask, prompt_tensor)
+                    if isinstance(self.head, EmbeddingPipeline)
+                    else self.head(hidden, attention_mask)
+                )
             pooled = vectors.cpu()
             tokens = None
             if token_embeddings:
